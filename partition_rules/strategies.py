@@ -1,0 +1,95 @@
+"""Strategies: where each logical axis goes on the mesh (`AxisMap`s), shared by every family.
+
+Mesh axes: ``data`` (replicas; batch split), ``fsdp`` (batch split *and* parameters sharded,
+ZeRO-3), ``tensor`` (Megatron: heads, MLP hidden and vocabulary split inside each layer), ``stage``
+(pipeline: the stacked ``layers`` axis split into stages). The batch is always split over
+``("data", "fsdp")``; axes of size 1 are allowed everywhere, so one strategy serves every mesh
+shape.
+
+Per-feature vectors (``norm``: norm scales, output biases of width d_model) stay replicated in every
+strategy: they are a rounding error in bytes, and sharding them would cost a collective per use.
+
+Example:
+    >>> FSDP_TP["embed"], FSDP_TP["heads"], FSDP_TP["batch"]
+    ('fsdp', 'tensor', ('data', 'fsdp'))
+"""
+
+from __future__ import annotations
+
+from partition_rules._rules import AxisMap
+
+# Every logical axis a family table may use. A strategy maps each of them; a family that uses a
+# name outside this list is reported by `sharding.resolve` as an unknown logical axis.
+LOGICAL_AXES = (
+    "batch",  # activations: the global batch
+    "layers",  # the stacked-blocks axis
+    "vocab",  # vocabulary rows of embeddings and heads
+    "embed",  # d_model
+    "heads",  # query heads
+    "kv_heads",  # key/value heads (grouped-query attention)
+    "head_dim",
+    "mlp",  # feed-forward hidden, and the wide classifier hidden of the CNN
+    "norm",  # per-feature vectors
+    "positions",  # learned position table rows
+    "classes",  # classifier outputs
+    "input",  # input features of the MLP
+    "features",  # flattened CNN features entering the classifier
+    "conv_in",
+    "conv_out",
+    "kernel_h",
+    "kernel_w",
+)
+
+_REPLICATED = AxisMap({name: None for name in LOGICAL_AXES if name != "batch"})
+_BATCH = AxisMap({"batch": ("data", "fsdp")})
+
+# Building blocks. `|` raises if two blocks disagree on a name, so the hybrids below are checked
+# for consistency when this module is imported.
+_FSDP = AxisMap({"embed": "fsdp", "features": "fsdp", "conv_out": "fsdp"})
+_TP = AxisMap({"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+               "classes": "tensor"})  # fmt: skip
+_PP = AxisMap({"layers": "stage"})
+
+
+def _strategy(*blocks: AxisMap) -> AxisMap:
+    named = _BATCH
+    for block in blocks:
+        named = named | block
+    # Whatever the blocks leave unnamed is replicated, stated explicitly per name.
+    return named | AxisMap({k: v for k, v in _REPLICATED.items() if k not in named})
+
+
+DP = _strategy()
+FSDP = _strategy(_FSDP)
+TP = _strategy(_TP)
+FSDP_TP = _strategy(_FSDP, _TP)
+DP_TP = _strategy(_TP)  # same map as TP: the mesh (data>1) makes it a hybrid
+PP = _strategy(_PP)
+PP_TP = _strategy(_PP, _TP)
+PP_FSDP = _strategy(_PP, _FSDP)
+
+STRATEGIES: dict[str, AxisMap] = {
+    "dp": DP,
+    "fsdp": FSDP,
+    "tp": TP,
+    "fsdp_tp": FSDP_TP,
+    "dp_tp": DP_TP,
+    "pp": PP,
+    "pp_tp": PP_TP,
+    "pp_fsdp": PP_FSDP,
+}
+
+PIPELINE_STRATEGIES = frozenset(name for name, m in STRATEGIES.items() if m["layers"] == "stage")
+
+# What each strategy splits, in the guides' terms (shown by `explain`, `compare`).
+DESCRIPTIONS: dict[str, str] = {
+    "dp": "batch split over data; every device holds all weights; gradients all-reduced once per step",
+    "fsdp": "batch and weights split over fsdp (ZeRO-3); weights all-gathered per layer, "
+    "gradients reduce-scattered",
+    "tp": "each layer's matrices split over tensor (Megatron); activations all-reduced per layer",
+    "fsdp_tp": "fsdp for weights and batch, tensor inside each layer",
+    "dp_tp": "batch split over data, each layer's matrices over tensor",
+    "pp": "depth split into stages; activations cross stage boundaries per micro-batch",
+    "pp_tp": "stages over stage, each stage's matrices over tensor",
+    "pp_fsdp": "stages over stage, each stage's weights split over fsdp",
+}
