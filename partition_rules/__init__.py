@@ -6,7 +6,6 @@ mesh.
 
 from partition_rules import cnn, gpt2, llama, mlp, strategies
 from partition_rules._presets import FAMILY_RULES, family_rules, preset, strategy
-from partition_rules.strategies import STRATEGIES
 from partition_rules._rules import (
     AxisEntry,
     AxisMap,
@@ -16,6 +15,7 @@ from partition_rules._rules import (
     Rules,
     direct_rules,
 )
+from partition_rules.strategies import STRATEGIES
 
 __all__ = [
     "FAMILY_RULES",

@@ -79,6 +79,19 @@ STRATEGIES: dict[str, AxisMap] = {
     "pp_fsdp": PP_FSDP,
 }
 
+# A mesh of 8 devices that suits each strategy on every family's tiny size (llama tiny has 8 query
+# and 4 kv heads, gpt2 tiny 4 heads, so tensor stays <= 4). Used by tests, goldens and defaults.
+EXAMPLE_MESHES_8: dict[str, str] = {
+    "dp": "data=8",
+    "fsdp": "fsdp=8",
+    "tp": "data=2,tensor=4",
+    "fsdp_tp": "data=2,fsdp=2,tensor=2",
+    "dp_tp": "data=4,tensor=2",
+    "pp": "stage=4,data=2",
+    "pp_tp": "stage=2,data=2,tensor=2",
+    "pp_fsdp": "stage=2,fsdp=4",
+}
+
 PIPELINE_STRATEGIES = frozenset(name for name, m in STRATEGIES.items() if m["layers"] == "stage")
 
 # What each strategy splits, in the guides' terms (shown by `explain`, `compare`).

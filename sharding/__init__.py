@@ -1,5 +1,23 @@
 """spmdkit's compiler: binds partition rules to a device mesh and builds SPMD programs."""
 
+from sharding._data import (
+    BYTE_VOCAB,
+    ArithmeticText,
+    Batcher,
+    BatchNotDivisibleError,
+    DataError,
+    DataFileNotFoundError,
+    TokenFile,
+    TokenFileFormatError,
+    TokenFileTooShortError,
+    TokenOutOfRangeError,
+    VocabTooSmallError,
+    dataset_from_arg,
+    decode,
+    encode,
+    global_batch_rows,
+    make_global_batch,
+)
 from sharding._explain import Explanation, explain
 from sharding._init import abstract_params, init_sharded
 from sharding._mesh import (
@@ -32,6 +50,12 @@ from sharding._units import fmt_bytes, fmt_count, parse_bytes
 
 __all__ = [
     "AXES",
+    "BYTE_VOCAB",
+    "ArithmeticText",
+    "BatchNotDivisibleError",
+    "Batcher",
+    "DataError",
+    "DataFileNotFoundError",
     "DuplicateMeshAxisError",
     "Explanation",
     "IndivisibleDimensionError",
@@ -43,15 +67,25 @@ __all__ = [
     "Placement",
     "RankMismatchError",
     "RuleError",
+    "TokenFile",
+    "TokenFileFormatError",
+    "TokenFileTooShortError",
+    "TokenOutOfRangeError",
     "UnknownLogicalAxisError",
     "UnknownMeshAxisError",
     "UnknownMeshAxisNameError",
     "UnmatchedParameterError",
+    "VocabTooSmallError",
     "abstract_params",
+    "dataset_from_arg",
+    "decode",
+    "encode",
     "explain",
     "fmt_bytes",
     "fmt_count",
+    "global_batch_rows",
     "init_sharded",
+    "make_global_batch",
     "make_mesh",
     "mesh_sizes",
     "parse_bytes",

@@ -85,9 +85,9 @@ class Explanation:
             ("per device", "right"),
             ("bytes/device", "right"),
         ]:
-            table.add_column(col, justify=just, no_wrap=col in ("parameter", "shape"))
+            table.add_column(col, justify=just, no_wrap=True)
         for r in self.rows:
-            logical = "replicated" if r.logical is None else ", ".join(map(_txt, r.logical))
+            logical = "replicated" if r.logical is None else ",".join(map(_txt, r.logical))
             table.add_row(
                 r.path,
                 "x".join(map(str, r.shape)),

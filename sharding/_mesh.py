@@ -217,7 +217,9 @@ def mesh_sizes(mesh: jshard.Mesh | jshard.AbstractMesh | MeshSpec) -> dict[str, 
     return dict(mesh.shape)
 
 
-def make_mesh(spec: MeshSpec | str | dict | None = None, devices: list | None = None) -> jshard.Mesh:
+def make_mesh(
+    spec: MeshSpec | str | dict | None = None, devices: list | None = None
+) -> jshard.Mesh:
     """Build the mesh for `spec` over `devices` (default: all devices).
 
     Example:

@@ -135,7 +135,9 @@ def _place(
     if logical is None:
         logical_dims: tuple = (None,) * len(shape)
     elif len(logical) != len(shape):
-        detail = f"{where}: rule gives {len(logical)} axes {logical} for a rank-{len(shape)} parameter"
+        detail = (
+            f"{where}: rule gives {len(logical)} axes {logical} for a rank-{len(shape)} parameter"
+        )
         return None, [Problem(RankMismatchError, path, detail)], matching
     else:
         logical_dims = logical
@@ -269,7 +271,9 @@ def plan(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: Any) -> Pl
         if not matched_by[i]:
             unused.append({"index": i, "pattern": rule.pattern, "reason": "matched no parameter"})
         else:
-            first = next(j for j in range(i) if j in won and set(matched_by[j]) & set(matched_by[i]))
+            first = next(
+                j for j in range(i) if j in won and set(matched_by[j]) & set(matched_by[i])
+            )
             unused.append(
                 {"index": i, "pattern": rule.pattern, "reason": f"shadowed by rule {first}"}
             )

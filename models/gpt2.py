@@ -1,0 +1,195 @@
+"""GPT-2: learned positions, pre-LayerNorm with bias, GELU (tanh), tied embeddings, biases everywhere.
+
+Parameter paths (L = n_layers stacked on the leading axis; K = N for GPT-2):
+
+    wte/embedding                [V, D]    also the output head: logits = h @ wte.T
+    wpe/embedding                [S, D]
+    layers/ln1/{scale,bias}      [L, D]
+    layers/attn/{q,k,v}/kernel   [L, D, N, H]
+    layers/attn/{q,k,v}/bias     [L, N, H]
+    layers/attn/o/kernel         [L, N, H, D]
+    layers/attn/o/bias           [L, D]
+    layers/ln2/{scale,bias}      [L, D]
+    layers/mlp/fc/kernel         [L, D, F]
+    layers/mlp/fc/bias           [L, F]
+    layers/mlp/proj/kernel       [L, F, D]
+    layers/mlp/proj/bias         [L, D]
+    ln_f/{scale,bias}            [D]
+
+The real sizes use vocab_size=50304: GPT-2's 50257 tokens padded up to a multiple of 64, as
+nanoGPT does, so the vocabulary divides the tensor-parallel axes; the extra rows are never targets.
+
+Example:
+    >>> cfg = config("tiny")
+    >>> model = Model(cfg, rngs=nnx.Rngs(0))
+    >>> model(make_batch(cfg, 2, 16)["inputs"]).shape
+    (2, 16, 256)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import _config
+from models._layers import (
+    Dense,
+    Embed,
+    LayerNorm,
+    Remat,
+    SelfAttention,
+    cross_entropy,
+    make_stacked,
+    residual_std,
+    scan_layers,
+)
+
+# The batch entry that `Model.__call__` takes (the rest feed the loss).
+INPUT = "inputs"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """GPT-2 sizes; `head_dim` is `d_model // n_heads`."""
+
+    family: ClassVar[str] = "gpt2"
+    name: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        _config.check_positive(
+            self, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"
+        )
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"gpt2 config {self.name!r}: d_model={self.d_model} must be a multiple of "
+                f"n_heads={self.n_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _real(name: str, d_model: int, n_layers: int, n_heads: int) -> Config:
+    return Config(
+        name=name, vocab_size=50_304, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+        d_ff=4 * d_model, max_seq_len=1024,
+    )  # fmt: skip
+
+
+SIZES: dict[str, Config] = {
+    "tiny": Config(
+        name="tiny", vocab_size=256, d_model=64, n_layers=4, n_heads=4, d_ff=256, max_seq_len=128
+    ),
+    "124m": _real("124m", 768, 12, 12),
+    "350m": _real("350m", 1024, 24, 16),
+    "774m": _real("774m", 1280, 36, 20),
+    "1.5b": _real("1.5b", 1600, 48, 25),
+}
+
+
+def config(size: str, **overrides) -> Config:
+    """`SIZES[size]` with fields replaced, e.g. `config("tiny", n_layers=8)`."""
+    return _config.pick("gpt2", SIZES, size, overrides)
+
+
+class Mlp(nnx.Module):
+    """`proj(gelu_tanh(fc(x)))`."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        out_std = residual_std(cfg.init_std, cfg.n_layers)
+        self.fc = Dense((cfg.d_model,), (cfg.d_ff,), std=cfg.init_std, use_bias=True, rngs=rngs)
+        self.proj = Dense((cfg.d_ff,), (cfg.d_model,), std=out_std, use_bias=True, rngs=rngs)
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        return self.proj(jax.nn.gelu(self.fc(x_BSD), approximate=True))
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.ln1 = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = SelfAttention(
+            cfg.d_model, cfg.n_heads, cfg.n_heads, cfg.head_dim,
+            std=cfg.init_std, out_std=residual_std(cfg.init_std, cfg.n_layers),
+            use_bias=True, rope_theta=None, rngs=rngs,
+        )  # fmt: skip
+        self.ln2 = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = Mlp(cfg, rngs=rngs)
+
+    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+        x_BSD = x_BSD + self.attn(self.ln1(x_BSD))
+        return x_BSD + self.mlp(self.ln2(x_BSD))
+
+
+class Model(nnx.Module):
+    """GPT-2 decoder with the output head tied to the token table."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
+        self.wpe = Embed(cfg.max_seq_len, cfg.d_model, std=cfg.init_std, rngs=rngs)
+        self.layers = make_stacked(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
+        self.ln_f = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+    def embed(self, inputs_BS: jax.Array) -> jax.Array:
+        """Token plus learned position embeddings for positions `0 .. S-1`."""
+        s = _config.seq_len_for(self.cfg, inputs_BS.shape[-1])
+        h_BSD = self.wte(inputs_BS)
+        return h_BSD + self.wpe.embedding[:s].astype(h_BSD.dtype)
+
+    def head(self, h_BSD: jax.Array) -> jax.Array:
+        return self.wte.attend(self.ln_f(h_BSD))
+
+    def __call__(self, inputs_BS: jax.Array, *, remat: Remat | None = None) -> jax.Array:
+        return self.head(scan_layers(self.layers, self.embed(inputs_BS), remat=remat))
+
+
+def loss_from_logits(logits_BSV: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy (float32)."""
+    return cross_entropy(logits_BSV, batch["targets"])
+
+
+def loss(model: Model, batch: dict[str, jax.Array], *, remat: Remat | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of `model` on `batch` (float32 scalar)."""
+    return loss_from_logits(model(batch[INPUT], remat=remat), batch)
+
+
+def batch_shapes(
+    cfg: Config, batch_size: int, seq_len: int | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """`{"inputs", "targets"}: int32[batch_size, seq_len]`; seq_len None -> cfg.max_seq_len."""
+    s = _config.seq_len_for(cfg, seq_len)
+    tokens = jax.ShapeDtypeStruct((batch_size, s), jnp.int32)
+    return {"inputs": tokens, "targets": tokens}
+
+
+def make_batch(
+    cfg: Config, batch_size: int, seq_len: int | None = None, *, key: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """Random tokens; targets are the inputs shifted left by one (next-token prediction)."""
+    s = _config.seq_len_for(cfg, seq_len)
+    key = jax.random.key(0) if key is None else key
+    tokens = jax.random.randint(key, (batch_size, s + 1), 0, cfg.vocab_size, jnp.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def param_count(cfg: Config) -> int:
+    """Number of parameters, in closed form."""
+    d, f = cfg.d_model, cfg.d_ff
+    attn = 4 * d * d + 4 * d  # q, k, v, o kernels (N*H = D) and biases
+    block = 4 * d + attn + 2 * d * f + f + d
+    return (cfg.vocab_size + cfg.max_seq_len) * d + cfg.n_layers * block + 2 * d
