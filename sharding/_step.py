@@ -1,0 +1,327 @@
+"""One compiled SPMD training step for any data / FSDP / tensor-parallel layout.
+
+The layout is entirely in the shardings: parameters from the rules, optimizer state like its
+parameters, the batch split over ``("data", "fsdp")``. XLA's SPMD partitioner inserts the
+collectives, so DP, FSDP, TP and their hybrids are the same program text with different
+shardings, and the model code never changes between strategies.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax import sharding as jshard
+
+from partition_rules import AxisMap, Rules
+from sharding._init import abstract_params
+from sharding._resolve import path_str, resolve
+
+BATCH_AXES = ("data", "fsdp")
+REMAT_POLICIES = ("none", "full", "dots")
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class StepConfigError(ValueError):
+    """A training-step configuration that cannot be compiled as asked."""
+
+
+class BatchShardingError(StepConfigError):
+    """The global batch does not split evenly over the batch mesh axes."""
+
+
+class AccumulationError(StepConfigError):
+    """Gradient accumulation steps do not divide the batch evenly."""
+
+
+def remat_wrapper(policy: str) -> Callable | None:
+    """The per-layer wrapper for a remat policy name: none, full, or dots (save matmul outputs)."""
+    if policy == "none":
+        return None
+    if policy == "full":
+        return jax.checkpoint
+    if policy == "dots":
+        return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
+    raise StepConfigError(f"unknown remat policy {policy!r}; choose one of {REMAT_POLICIES}")
+
+
+def check_batch(batch_shapes: dict, mesh_shape: dict[str, int], accum_steps: int) -> int:
+    """Validate the global batch against the mesh and accumulation; returns the batch size."""
+    sizes = {k: v.shape[0] for k, v in batch_shapes.items()}
+    if len(set(sizes.values())) != 1:
+        raise BatchShardingError(f"batch entries disagree on the batch dimension: {sizes}")
+    batch = next(iter(sizes.values()))
+    split = math.prod(mesh_shape.get(a, 1) for a in BATCH_AXES)
+    split_txt = "x".join(f"{a}={mesh_shape.get(a, 1)}" for a in BATCH_AXES)
+    if accum_steps < 1:
+        raise AccumulationError(f"accumulation steps must be >= 1, got {accum_steps}")
+    if batch % accum_steps:
+        raise AccumulationError(
+            f"global batch {batch} is not divisible by {accum_steps} accumulation steps; use a "
+            f"batch that is a multiple of {accum_steps} (e.g. {_round_up(batch, accum_steps)}) or "
+            f"an accumulation count that divides {batch}"
+        )
+    micro = batch // accum_steps
+    if micro % split:
+        what = f"micro-batch {micro} (global batch {batch} / {accum_steps} accumulation steps)"
+        if accum_steps == 1:
+            what = f"global batch {batch}"
+        raise BatchShardingError(
+            f"{what} is not divisible by {split_txt} = {split} devices that split the batch; use "
+            f"a global batch that is a multiple of {split * accum_steps} "
+            f"(e.g. {_round_up(batch, split * accum_steps)}), or fewer data/fsdp devices"
+        )
+    return batch
+
+
+def _round_up(n: int, k: int) -> int:
+    return max(k, -(-n // k) * k)
+
+
+def shardings_like_params(tree: Any, params: Any, param_shardings: Any, mesh: jshard.Mesh) -> Any:
+    """Shardings for a tree that embeds copies of the parameter tree (optimizer state).
+
+    A leaf takes the sharding of the parameter whose path is the longest suffix of its own path
+    and whose shape matches (Adam's ``mu/layers/attn/q/kernel`` -> ``layers/attn/q/kernel``);
+    anything else (step counts, scalars) is replicated.
+    """
+    by_path = {
+        path_str(p): (leaf.shape, s)
+        for (p, leaf), s in zip(
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree.leaves(param_shardings),
+            strict=True,
+        )
+    }
+    replicated = jshard.NamedSharding(mesh, jshard.PartitionSpec())
+
+    def pick(key_path: tuple, leaf: Any) -> jshard.NamedSharding:
+        parts = path_str(key_path).split("/")
+        for i in range(len(parts)):
+            hit = by_path.get("/".join(parts[i:]))
+            if hit and tuple(hit[0]) == tuple(leaf.shape):
+                return hit[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+@dataclass
+class TrainProgram:
+    """A compiled training step: `init(seed)` -> state born sharded; `step(state, batch)`.
+
+    Build it with `compile_train_step`. The step is compiled ahead of time from abstract shapes
+    on first use (`compiled`), and `report()` inspects that same executable.
+    """
+
+    mesh: jshard.Mesh
+    graphdef: nnx.GraphDef
+    abstract_state: Any
+    state_shardings: Any
+    batch_shardings: dict[str, jshard.NamedSharding]
+    batch_shapes: dict[str, jax.ShapeDtypeStruct]
+    accum_steps: int
+    _init_fn: Callable = field(repr=False)
+    _step_fn: Callable = field(repr=False)
+    _grad_fn: Callable = field(repr=False)
+    _compiled: Any = field(default=None, repr=False)
+    compile_time_s: float | None = None
+
+    @property
+    def param_shardings(self) -> Any:
+        return self.state_shardings["params"]
+
+    def init(self, seed: int = 0) -> dict[str, Any]:
+        """Train state {params, opt_state, step}, created directly in its shardings."""
+        return self._init_fn(jnp.asarray(seed, jnp.uint32))
+
+    @property
+    def compiled(self) -> Any:
+        if self._compiled is None:
+            args = (
+                _with_shardings(self.abstract_state, self.state_shardings),
+                _with_shardings(self.batch_shapes, self.batch_shardings),
+            )
+            start = time.perf_counter()
+            self._compiled = self._step_fn.lower(*args).compile()
+            self.compile_time_s = time.perf_counter() - start
+        return self._compiled
+
+    def step(self, state: dict[str, Any], batch: dict[str, Any]) -> tuple[dict, dict]:
+        """One optimizer step; `state` is donated (do not reuse it)."""
+        return self.compiled(state, self.shard_batch(batch))
+
+    def loss_and_grads(self, params: Any, batch: dict[str, Any]) -> tuple[jax.Array, Any]:
+        """Loss and gradients of one step (accumulated as the step does), without updating."""
+        return self._grad_fn(params, self.shard_batch(batch))
+
+    def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
+        """Place a host batch (the full global batch, single process) in its sharding."""
+        return {
+            k: v
+            if _placed(v, self.batch_shardings[k])
+            else jax.device_put(v, self.batch_shardings[k])
+            for k, v in batch.items()
+        }
+
+    def report(self) -> Any:
+        """Collectives, memory and FLOPs of the compiled step (`sharding.ProgramReport`)."""
+        from sharding._inspect import inspect_compiled
+
+        compiled = self.compiled
+        return inspect_compiled(compiled, mesh=self.mesh, compile_time_s=self.compile_time_s)
+
+
+def _placed(x: Any, sharding: jshard.NamedSharding) -> bool:
+    return isinstance(x, jax.Array) and x.sharding == sharding
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+    )
+
+
+def compile_train_step(
+    make_model: Callable[[nnx.Rngs], nnx.Module],
+    loss_fn: Callable[..., jax.Array],
+    optimizer: optax.GradientTransformation,
+    rules: Rules,
+    axis_map: AxisMap,
+    mesh: jshard.Mesh,
+    batch_shapes: dict[str, jax.ShapeDtypeStruct],
+    *,
+    accum_steps: int = 1,
+    compute_dtype: str = "float32",
+    remat: str = "none",
+    clip_norm: float | None = None,
+) -> TrainProgram:
+    """Build the sharded training step of a model under (rules, axis_map) on `mesh`.
+
+    Args:
+        make_model: ``rngs -> nnx.Module``; called abstractly for shapes and inside the jitted
+            initialiser for values.
+        loss_fn: ``(model, batch, *, remat) -> scalar``, e.g. `models.llama.loss`.
+        optimizer: any optax transformation; its state is sharded like the parameters.
+        rules, axis_map: a preset, e.g. ``partition_rules.preset("llama", "fsdp_tp")``.
+        mesh: the device mesh (`sharding.make_mesh`).
+        batch_shapes: the global batch as ``{name: ShapeDtypeStruct}``; dim 0 is the batch.
+        accum_steps: micro-steps per optimizer step, run as a `lax.scan` (the batch is split).
+        compute_dtype: "float32", or "bfloat16" with float32 master weights (the loss and softmax
+            stay float32 inside the models).
+        remat: "none", "full" (recompute each layer in backward), "dots" (save matmul outputs).
+        clip_norm: clip gradients to this global norm (optax.clip_by_global_norm) if given.
+
+    Example:
+        >>> from models import llama
+        >>> from partition_rules import preset
+        >>> cfg = llama.config("tiny")
+        >>> program = compile_train_step(  # doctest: +SKIP
+        ...     lambda rngs: llama.Model(cfg, rngs=rngs), llama.loss, optax.adamw(1e-3),
+        ...     *preset("llama", "fsdp_tp"), make_mesh("data=2,fsdp=2,tensor=2"),
+        ...     llama.batch_shapes(cfg, 8, 64))
+        >>> state = program.init(seed=0)  # doctest: +SKIP
+        >>> state, metrics = program.step(state, batch)  # doctest: +SKIP
+    """
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise StepConfigError(
+            f"unknown compute dtype {compute_dtype!r}; choose one of {list(COMPUTE_DTYPES)}"
+        )
+    dtype = COMPUTE_DTYPES[compute_dtype]
+    wrap = remat_wrapper(remat)
+    check_batch(batch_shapes, dict(mesh.shape), accum_steps)
+    if clip_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
+
+    graphdef, params = abstract_params(lambda: make_model(nnx.Rngs(0)))
+    param_shardings = resolve(rules, axis_map, params, mesh)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    abstract_state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    replicated = jshard.NamedSharding(mesh, jshard.PartitionSpec())
+    state_shardings = {
+        "params": param_shardings,
+        "opt_state": shardings_like_params(opt_state, params, param_shardings, mesh),
+        "step": replicated,
+    }
+    batch_spec = jshard.PartitionSpec(BATCH_AXES)
+    batch_shardings = {k: jshard.NamedSharding(mesh, batch_spec) for k in batch_shapes}
+    micro_sharding = jshard.NamedSharding(mesh, jshard.PartitionSpec(None, BATCH_AXES))
+
+    def init(seed: jax.Array) -> dict[str, Any]:
+        model = make_model(nnx.Rngs(jax.random.key(seed)))
+        p = nnx.state(model, nnx.Param)
+        return {"params": p, "opt_state": optimizer.init(p), "step": jnp.zeros((), jnp.int32)}
+
+    def micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
+        cast = jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
+        )
+        return loss_fn(nnx.merge(graphdef, cast), micro, remat=wrap)
+
+    grad_fn = jax.value_and_grad(micro_loss)
+
+    def accumulate(p: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        if accum_steps == 1:
+            return grad_fn(p, batch)
+
+        def split(x: jax.Array) -> jax.Array:
+            # [B, ...] -> [B/k, k, ...] -> [k, B/k, ...]: each device keeps its own rows, so the
+            # split costs no communication; micro-batch i takes every k-th row.
+            x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])
+            return jax.lax.with_sharding_constraint(jnp.swapaxes(x, 0, 1), micro_sharding)
+
+        def body(carry: tuple, micro: dict[str, jax.Array]) -> tuple[tuple, None]:
+            loss_sum, grad_sum = carry
+            loss, grads = grad_fn(p, micro)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, p)
+        (loss_sum, grad_sum), _ = jax.lax.scan(
+            body, (jnp.zeros(()), zeros), jax.tree.map(split, batch)
+        )
+        return loss_sum / accum_steps, jax.tree.map(lambda g: g / accum_steps, grad_sum)
+
+    def train_step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict, dict]:
+        loss, grads = accumulate(state["params"], batch)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    init_fn = jax.jit(init, out_shardings=state_shardings)
+    grad_only = jax.jit(
+        accumulate,
+        in_shardings=(param_shardings, batch_shardings),
+        out_shardings=(replicated, param_shardings),
+    )
+    step_fn = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+    return TrainProgram(
+        mesh=mesh,
+        graphdef=graphdef,
+        abstract_state=abstract_state,
+        state_shardings=state_shardings,
+        batch_shardings=batch_shardings,
+        batch_shapes=dict(batch_shapes),
+        accum_steps=accum_steps,
+        _init_fn=init_fn,
+        _step_fn=step_fn,
+        _grad_fn=grad_only,
+    )
