@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sharding.cli import explain
+from sharding.cli import explain, train
 
-COMMANDS = {"explain": explain}
+COMMANDS = {"explain": explain, "train": train}
 
 
 def main(argv: list[str] | None = None) -> int:
