@@ -6,8 +6,9 @@ ZeRO-3), ``tensor`` (Megatron: heads, MLP hidden and vocabulary split inside eac
 ``("data", "fsdp")``; axes of size 1 are allowed everywhere, so one strategy serves every mesh
 shape.
 
-Per-feature vectors (``norm``: norm scales, output biases of width d_model) stay replicated in every
-strategy: they are a rounding error in bytes, and sharding them would cost a collective per use.
+Per-feature vectors (``norm``: norm scales, output biases of width d_model) are sharded over
+``fsdp`` (ZeRO-3 shards everything) and replicated otherwise: under tensor or pipeline
+parallelism they are a rounding error in bytes, and sharding them would cost a collective per use.
 
 Example:
     >>> FSDP_TP["embed"], FSDP_TP["heads"], FSDP_TP["batch"]
@@ -45,7 +46,9 @@ _BATCH = AxisMap({"batch": ("data", "fsdp")})
 
 # Building blocks. `|` raises if two blocks disagree on a name, so the hybrids below are checked
 # for consistency when this module is imported.
-_FSDP = AxisMap({"embed": "fsdp", "features": "fsdp", "conv_out": "fsdp"})
+# ZeRO-3 shards every parameter, per-feature vectors included, so that parameter and optimizer
+# bytes per device are the total over fsdp: a replicated remainder would grow with the mesh.
+_FSDP = AxisMap({"embed": "fsdp", "features": "fsdp", "conv_out": "fsdp", "norm": "fsdp"})
 _TP = AxisMap({"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                "classes": "tensor"})  # fmt: skip
 _PP = AxisMap({"layers": "stage"})

@@ -53,6 +53,30 @@ def remat_wrapper(policy: str) -> Callable | None:
     raise StepConfigError(f"unknown remat policy {policy!r}; choose one of {REMAT_POLICIES}")
 
 
+def layer_wrapper(remat: str, mesh: jshard.Mesh) -> Callable:
+    """Wraps the per-layer body of a scanned stack: pins the carried activations to the batch
+    sharding at every layer boundary, then applies the remat policy.
+
+    Without the pin, XLA is free to keep FSDP weights sharded and all-reduce activations instead
+    (for small models it often does), which is not ZeRO-3; with it, the batch stays split over
+    ("data", "fsdp") and a weight sharded over fsdp must be all-gathered where it is used.
+    """
+    checkpoint = remat_wrapper(remat)
+
+    def wrap(body: Callable) -> Callable:
+        def pinned(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
+            spec = jshard.PartitionSpec(BATCH_AXES, *([None] * (h.ndim - 1)))
+            pin = functools.partial(
+                jax.lax.with_sharding_constraint, shardings=jshard.NamedSharding(mesh, spec)
+            )
+            out, ys = body(pin(h), layer)
+            return pin(out), ys
+
+        return checkpoint(pinned) if checkpoint else pinned
+
+    return wrap
+
+
 def check_batch(batch_shapes: dict, mesh_shape: dict[str, int], accum_steps: int) -> int:
     """Validate the global batch against the mesh and accumulation; returns the batch size."""
     sizes = {k: v.shape[0] for k, v in batch_shapes.items()}
@@ -132,6 +156,7 @@ class TrainProgram:
     _init_fn: Callable = field(repr=False)
     _step_fn: Callable = field(repr=False)
     _grad_fn: Callable = field(repr=False)
+    _eval_fn: Callable = field(repr=False)
     _compiled: Any = field(default=None, repr=False)
     compile_time_s: float | None = None
 
@@ -162,6 +187,17 @@ class TrainProgram:
     def loss_and_grads(self, params: Any, batch: dict[str, Any]) -> tuple[jax.Array, Any]:
         """Loss and gradients of one step (accumulated as the step does), without updating."""
         return self._grad_fn(params, self.shard_batch(batch))
+
+    def eval_loss(self, params: Any, batch: dict[str, Any]) -> jax.Array:
+        """The loss alone (forward only), with the step's shardings."""
+        return self._eval_fn(params, self.shard_batch(batch))
+
+    def lower_eval(self) -> Any:
+        """The forward-only program, lowered from abstract shapes (for inspection)."""
+        return self._eval_fn.lower(
+            _with_shardings(self.abstract_state["params"], self.param_shardings),
+            _with_shardings(self.batch_shapes, self.batch_shardings),
+        )
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Place a host batch (the full global batch, single process) in its sharding."""
@@ -236,7 +272,7 @@ def compile_train_step(
             f"unknown compute dtype {compute_dtype!r}; choose one of {list(COMPUTE_DTYPES)}"
         )
     dtype = COMPUTE_DTYPES[compute_dtype]
-    wrap = remat_wrapper(remat)
+    wrap = layer_wrapper(remat, mesh)
     check_batch(batch_shapes, dict(mesh.shape), accum_steps)
     if clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
@@ -307,6 +343,9 @@ def compile_train_step(
         in_shardings=(param_shardings, batch_shardings),
         out_shardings=(replicated, param_shardings),
     )
+    eval_fn = jax.jit(
+        micro_loss, in_shardings=(param_shardings, batch_shardings), out_shardings=replicated
+    )
     step_fn = jax.jit(
         train_step,
         in_shardings=(state_shardings, batch_shardings),
@@ -324,4 +363,5 @@ def compile_train_step(
         _init_fn=init_fn,
         _step_fn=step_fn,
         _grad_fn=grad_only,
+        _eval_fn=eval_fn,
     )
