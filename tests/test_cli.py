@@ -1,0 +1,88 @@
+"""The `spmdkit` command line: explain and train, and their errors before anything compiles."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sharding.cli import main
+
+MESH = "data=2,fsdp=2,tensor=2"
+
+
+def train(tmp_path, *extra: str) -> int:
+    return main(
+        ["train", "--model", "llama", "--size", "tiny", "--strategy", "fsdp_tp", "--mesh", MESH,
+         "--batch", "8", "--seq", "32", *extra]
+    )  # fmt: skip
+
+
+def test_explain_json_reports_bytes_per_device(capsys):
+    assert main(["explain", "--model", "llama", "--size", "70b", "--mesh", "fsdp=64,tensor=8",
+                 "--strategy", "fsdp_tp", "--json"]) == 0  # fmt: skip
+    table = json.loads(capsys.readouterr().out)
+    assert table["mesh"] == {"stage": 1, "data": 1, "fsdp": 64, "tensor": 8}
+    assert table["totals"]["parameters"] == 68_976_648_192
+    per_device = table["totals"]["param_bytes_per_device"]
+    assert per_device == pytest.approx(68_976_648_192 * 4 / 512, rel=0.01)
+
+
+def test_explain_prints_a_table(capsys):
+    assert main(["explain", "--model", "cnn", "--size", "tiny", "--mesh", "data=4,tensor=2",
+                 "--strategy", "dp_tp"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "head/fc1/kernel" in out and "P(-, tensor)" in out and "train state / device" in out
+
+
+def test_explain_refuses_a_placement_with_the_reason(capsys):
+    assert main(["explain", "--model", "llama", "--size", "tiny", "--mesh", "tensor=8",
+                 "--strategy", "tp"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "IndivisibleDimensionError" in err and "kv_heads" in err and "tensor=8" in err
+
+
+def test_train_writes_metrics_and_a_summary(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert train(tmp_path, "--steps", "3", "--metrics", str(metrics)) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"loss", "step_time_s", "tokens_per_s", "grad_norm"} <= set(rows[0])
+    out = capsys.readouterr().out
+    assert "fsdp_tp" in out and "collectives per device per step" in out
+
+
+def test_train_missing_data_file(tmp_path, capsys):
+    assert train(tmp_path, "--steps", "1", "--data", str(tmp_path / "nope.bin")) == 2
+    assert "nope.bin" in capsys.readouterr().err
+
+
+def test_train_token_ids_beyond_the_vocabulary(tmp_path, capsys):
+    path = tmp_path / "tokens.bin"
+    np.array([1, 2, 300, 4] * 100, np.uint16).tofile(path)
+    assert train(tmp_path, "--steps", "1", "--data", str(path)) == 2
+    err = capsys.readouterr().err
+    assert "300" in err and "256" in err
+
+
+def test_train_sequence_longer_than_the_model(tmp_path, capsys):
+    assert train(tmp_path, "--steps", "1", "--seq", "129") == 2
+    assert "seq_len=129 > max_seq_len=128" in capsys.readouterr().err
+
+
+def test_train_batch_not_divisible(tmp_path, capsys):
+    assert train(tmp_path, "--steps", "1", "--batch", "6") == 2
+    assert "global batch 6 is not divisible by data=2xfsdp=2" in capsys.readouterr().err
+
+
+def test_train_accumulation_not_dividing(tmp_path, capsys):
+    assert train(tmp_path, "--steps", "1", "--accum", "3") == 2
+    assert "not divisible by 3 accumulation steps" in capsys.readouterr().err
+
+
+def test_train_unknown_strategy_lists_the_known(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--strategy", "zero3"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'zero3'" in err and "fsdp_tp" in err and "pp_fsdp" in err
