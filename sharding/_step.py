@@ -23,6 +23,7 @@ from jax import sharding as jshard
 
 from partition_rules import AxisMap, Rules
 from sharding._init import abstract_params
+from sharding._pipeline import PipelineSpec, check_pipeline, pipelined_loss
 from sharding._resolve import path_str, resolve
 
 BATCH_AXES = ("data", "fsdp")
@@ -239,6 +240,7 @@ def compile_train_step(
     compute_dtype: str = "float32",
     remat: str = "none",
     clip_norm: float | None = None,
+    pipeline: PipelineSpec | None = None,
 ) -> TrainProgram:
     """Build the sharded training step of a model under (rules, axis_map) on `mesh`.
 
@@ -255,6 +257,8 @@ def compile_train_step(
             stay float32 inside the models).
         remat: "none", "full" (recompute each layer in backward), "dots" (save matmul outputs).
         clip_norm: clip gradients to this global norm (optax.clip_by_global_norm) if given.
+        pipeline: pipeline the layer stack over the ``stage`` axis (`PipelineSpec`); needs a
+            pipeline preset (pp, pp_tp, pp_fsdp).
 
     Example:
         >>> from models import llama
@@ -278,6 +282,11 @@ def compile_train_step(
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
 
     graphdef, params = abstract_params(lambda: make_model(nnx.Rngs(0)))
+    schedule = None
+    if pipeline is not None:
+        n_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+        batch = next(iter(batch_shapes.values())).shape[0]
+        schedule = check_pipeline(pipeline, mesh, axis_map, n_layers, batch // accum_steps)
     param_shardings = resolve(rules, axis_map, params, mesh)
     opt_state = jax.eval_shape(optimizer.init, params)
     abstract_state = {
@@ -304,7 +313,10 @@ def compile_train_step(
         cast = jax.tree.map(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
         )
-        return loss_fn(nnx.merge(graphdef, cast), micro, remat=wrap)
+        model = nnx.merge(graphdef, cast)
+        if schedule is None:
+            return loss_fn(model, micro, remat=wrap)
+        return pipelined_loss(model, micro, pipeline, schedule, mesh, remat_wrapper(remat))
 
     grad_fn = jax.value_and_grad(micro_loss)
 
