@@ -1,4 +1,4 @@
-"""Collectives of a compiled program, read from its post-partitioning HLO text.
+"""Collectives and matmul FLOPs of a compiled program, read from its post-partitioning HLO text.
 
 Every figure is read from the compiled program itself, so it is deterministic and testable:
 collectives from the post-partitioning HLO text (`compiled.as_text()`, whose shapes are all
@@ -13,6 +13,8 @@ Byte conventions, all per device:
   every gradient byte once per step, and FSDP every weight byte once per gather.
 * ``count`` and the byte totals are per program run: an op in a ``lax.scan`` body counts once
   per iteration (its ``multiplicity``); ``static_count`` counts instructions.
+
+`count_flops` counts the FLOPs of dots and convolutions per device per run the same way.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _CALLEE = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
     r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
 )
+# A GPU gemm custom-call keeps its dot dimensions in backend_config, as JSON lists of strings.
+_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)|"lhs_contracting_dimensions":\[([^]]*)')
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
@@ -246,6 +250,53 @@ def _callees(attrs: str, raw: str) -> list[tuple[str, int, bool]]:
     return calls
 
 
+class _Module:
+    """The instructions of an HLO module, and how often each computation runs per program run.
+
+    Computations run through ``calls`` (fusions), ``to_apply``, while ``body``/``condition``
+    (``known_trip_count`` times, nested loops multiplying) and conditional branches (as if
+    taken, inexact); a loop of unknown trip count counts once, inexact.
+    """
+
+    def __init__(self, hlo_text: str):
+        self.instructions: list[tuple[str | None, str, str, str, list[str], str]] = []
+        self.shapes: dict[str, str] = {}  # instruction names are unique in a module
+        self.callers: dict[str, list[tuple[str | None, int, bool]]] = defaultdict(list)
+        self.entry = comp = None
+        self._memo: dict[str, tuple[int, bool]] = {}
+        for raw in hlo_text.splitlines():
+            line = _NOISE.sub("", raw).strip()
+            if (instruction := _instruction(line)) is None:
+                if h := _HEADER.match(line):
+                    comp, self.entry = h.group(2), h.group(2) if h.group(1) else self.entry
+                continue
+            name, type_text, opcode, _, attrs = instruction
+            self.shapes[name] = type_text
+            self.instructions.append((comp, *instruction))
+            if not opcode.endswith(("-done", "-update")):  # an async pair runs its callee once
+                for callee, factor, exact in _callees(attrs, raw):
+                    self.callers[callee].append((comp, factor, exact))
+
+    def operand_type(self, operand: str) -> str:
+        """Operands print as `%name` (jax 0.10) or, in some XLA versions, `f32[8]{0} %name`."""
+        return operand if "[" in operand else self.shapes.get(operand.split()[-1].lstrip("%"), "")
+
+    def runs(self, c: str | None) -> tuple[int, bool]:
+        """(runs of computation ``c`` per program run, whether that count is exact)."""
+        if c is None or self.entry is None or c == self.entry:
+            return 1, True
+        if c not in self.callers:  # called through an attribute this parser does not know
+            return 1, False
+        if c not in self._memo:
+            self._memo[c] = (0, False)  # call graphs are acyclic; this guards malformed text
+            total, exact = 0, True
+            for caller, factor, edge_exact in self.callers[c]:
+                n, e = self.runs(caller)
+                total, exact = total + n * factor, exact and e and edge_exact
+            self._memo[c] = (total, exact)
+        return self._memo[c]
+
+
 def parse_collectives(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
     """Every collective of a compiled (post-SPMD-partitioning) HLO module, with loop counts.
 
@@ -265,65 +316,34 @@ def parse_collectives(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
     sizes = mesh_sizes(mesh) if mesh is not None else None
     m = re.search(r"\bnum_partitions=(\d+)", hlo_text)
     n_partitions = int(m.group(1)) if m else sizes and math.prod(sizes.values())
-    shapes: dict[str, str] = {}
-    callers: dict[str, list[tuple[str | None, int, bool]]] = defaultdict(list)
-    found: list[dict[str, Any]] = []
-    entry = comp = None
-    for raw in hlo_text.splitlines():
-        line = _NOISE.sub("", raw).strip()
-        if (instruction := _instruction(line)) is None:
-            if h := _HEADER.match(line):
-                comp, entry = h.group(2), h.group(2) if h.group(1) else entry
-            continue
-        name, type_text, opcode, operands, attrs = instruction
-        shapes[name] = type_text
-        if not opcode.endswith(("-done", "-update")):  # an async pair runs its callee once
-            for callee, factor, exact in _callees(attrs, raw):
-                callers[callee].append((comp, factor, exact))
+    module, ops = _Module(hlo_text), []
+    for comp, name, type_text, opcode, operands, attrs in module.instructions:
         kind = opcode.removesuffix("-start")
         if kind not in COLLECTIVE_KINDS:
             continue
-        # Operands print as `%name` (jax 0.10) or, in some XLA versions, `f32[8]{0} %name`.
-        types = [o if "[" in o else shapes.get(o.split()[-1].lstrip("%"), "") for o in operands]
+        types = [module.operand_type(o) for o in operands]
         outputs = _split_top(type_text[1:-1]) if type_text.startswith("(") else [type_text]
         if opcode.endswith("-start"):
             outputs = _start_results(outputs, len(operands))
         shape = ", ".join(re.sub(r"\{[^}]*\}", "", t) for t in outputs)
         groups = _groups(attrs, kind, n_partitions)
-        found.append(
-            {
-                "name": name,
-                "kind": kind,
-                "computation": comp,
-                "shape": shape if len(outputs) == 1 else f"({shape})",
-                "dtype": next(iter(_ARRAY.findall(shape)), ("?",))[0],
-                "operand_bytes": sum(map(_nbytes, types)),
-                "output_bytes": sum(map(_nbytes, outputs)),
-                "group_size": len(groups[0]) if groups and kind != "collective-permute" else None,
-                "groups": groups,
-                "axes": _axes(kind, groups, sizes),
-            }
+        multiplicity, exact = module.runs(comp)
+        ops.append(
+            CollectiveOp(
+                name=name,
+                kind=kind,
+                computation=comp,
+                shape=shape if len(outputs) == 1 else f"({shape})",
+                dtype=next(iter(_ARRAY.findall(shape)), ("?",))[0],
+                operand_bytes=sum(map(_nbytes, types)),
+                output_bytes=sum(map(_nbytes, outputs)),
+                group_size=len(groups[0]) if groups and kind != "collective-permute" else None,
+                groups=groups,
+                axes=_axes(kind, groups, sizes),
+                multiplicity=multiplicity,
+                exact=exact,
+            )
         )
-    memo: dict[str, tuple[int, bool]] = {}
-
-    def runs(c: str | None) -> tuple[int, bool]:
-        if c is None or entry is None or c == entry:
-            return 1, True
-        if c not in callers:  # called through an attribute this parser does not know
-            return 1, False
-        if c not in memo:
-            memo[c] = (0, False)  # call graphs are acyclic; this guards malformed text only
-            total, exact = 0, True
-            for caller, factor, edge_exact in callers[c]:
-                n, e = runs(caller)
-                total, exact = total + n * factor, exact and e and edge_exact
-            memo[c] = (total, exact)
-        return memo[c]
-
-    ops = []
-    for op in found:
-        multiplicity, exact = runs(op["computation"])
-        ops.append(CollectiveOp(**op, multiplicity=multiplicity, exact=exact))
     return ops
 
 
@@ -345,3 +365,70 @@ def summarize(ops: list[CollectiveOp], *, by_axes: bool = False) -> dict[Any, Co
         return COLLECTIVE_KINDS.index(kind), axes is None, axes or ()
 
     return {k: CollectiveSummary(*map(int, totals[k])) for k in sorted(totals, key=order)}
+
+
+MATMUL_KINDS = ("dot", "convolution")
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Matmul FLOPs per device per program run (see `count_flops`).
+
+    ``by_op`` splits ``total`` by kind, every one of `MATMUL_KINDS` present. ``exact`` is False
+    when some of it ran inside a conditional branch (counted as if every branch were taken) or a
+    while loop of unknown trip count (counted once).
+    """
+
+    total: int
+    by_op: dict[str, int]
+    exact: bool = True
+
+
+def _dims(type_text: str) -> list[int]:
+    """The dimensions of the first array in an HLO type (a tuple's first element)."""
+    m = _ARRAY.search(type_text)
+    return _ints(m.group(2)) if m else []
+
+
+def _matmul_flops(module: _Module, type_text: str, opcode: str, operands: list, attrs: str) -> int:
+    """2 x the multiply-adds of one dot or convolution; 0 where its attributes are missing."""
+    out = math.prod(_dims(type_text))
+    if opcode == "dot":  # each output element sums over the contracting dims of the lhs
+        lhs = _dims(module.operand_type(operands[0]))
+        m = _CONTRACTING.search(attrs)
+        return 2 * out * math.prod(lhs[d] for d in _ints(m.group(m.lastindex))) if m else 0
+    # A convolution output element sums over the kernel window and the input features of its
+    # group: every kernel dimension but the output feature one ('o' in `dim_labels=b01f_01io->`),
+    # padding taps included (XLA's cost_analysis leaves those out).
+    m, kernel = re.search(r"dim_labels=\w*_(\w+)->", attrs), _dims(module.operand_type(operands[1]))
+    if not m or len(m.group(1)) != len(kernel):
+        return 0
+    return 2 * out * math.prod(kernel) // kernel[m.group(1).index("o")]
+
+
+def count_flops(hlo_text: str) -> FlopCount:
+    """Matmul FLOPs per device of one run of a compiled (post-partitioning) HLO module.
+
+    Counts 2 x the multiply-adds of every ``dot`` (fused ones too, and GPU gemm custom-calls,
+    which carry ``dot_dimension_numbers``) and ``convolution``, times the runs of its
+    computation, unlike ``compiled.cost_analysis()``, which counts a while body once per
+    program: a ``lax.scan`` over layers counts every layer here. Conditional branches all
+    count, as if each were taken (``exact`` False; one run of a cond costs at most its
+    dearest branch). Elementwise and reduction work, and other custom-calls (cuDNN
+    convolutions), are not counted; nor are dots XLA rewrites to multiplies (outer products,
+    vector dot products).
+
+    Example:
+        >>> count_flops(jax.jit(jnp.dot).lower(a, b).compile().as_text())  # doctest: +SKIP
+        FlopCount(total=4194304, by_op={'dot': 4194304, 'convolution': 0}, exact=True)
+    """
+    module, exact = _Module(hlo_text), True
+    by_op = dict.fromkeys(MATMUL_KINDS, 0)
+    for comp, _, type_text, opcode, operands, attrs in module.instructions:
+        if opcode == "custom-call" and '"dot_dimension_numbers"' in attrs:  # cuBLAS, rocBLAS
+            opcode = "dot"
+        if opcode in by_op:
+            n, e = module.runs(comp)
+            by_op[opcode] += n * _matmul_flops(module, type_text, opcode, operands, attrs)
+            exact &= e
+    return FlopCount(sum(by_op.values()), by_op, exact)

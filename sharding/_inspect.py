@@ -21,6 +21,8 @@ from sharding._hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
     CollectiveSummary,
+    FlopCount,
+    count_flops,
     parse_collectives,
     summarize,
 )
@@ -31,9 +33,11 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveOp",
     "CollectiveSummary",
+    "FlopCount",
     "MemoryStats",
     "ProgramReport",
     "compile_and_inspect",
+    "count_flops",
     "inspect_compiled",
     "parse_collectives",
     "summarize",
@@ -57,6 +61,8 @@ class ProgramReport:
     """Per-device facts of one compiled program (byte conventions in the module doc).
 
     ``flops`` and ``bytes_accessed`` are XLA's estimates, None where the backend gives none;
+    XLA counts a while loop's body once, so ``flops`` under-counts a scanned program, while
+    ``matmul_flops`` (`count_flops`: dots and convolutions only) counts every iteration.
     ``extra`` holds the caller's figures (e.g. a pipeline bubble) for `to_dict` and rendering.
 
     Example:
@@ -68,6 +74,7 @@ class ProgramReport:
     collectives: list[CollectiveOp]
     memory: MemoryStats | None = None
     flops: float | None = None
+    matmul_flops: float | None = None
     bytes_accessed: float | None = None
     compile_time_s: float | None = None
     mesh: dict[str, int] | None = None
@@ -110,7 +117,7 @@ class ProgramReport:
             "ops": [{**asdict(op), "groups": None} for op in self.collectives],
             "memory": None if self.memory is None else asdict(self.memory),
         }
-        for key in ("flops", "bytes_accessed", "compile_time_s", "extra"):
+        for key in ("flops", "matmul_flops", "bytes_accessed", "compile_time_s", "extra"):
             data[key] = getattr(self, key)
         return _plain(data)
 
@@ -137,6 +144,8 @@ class ProgramReport:
             )
         if self.flops is not None:
             lines.append(f"FLOPs/device: {fmt_count(self.flops)}")
+        if self.matmul_flops is not None:
+            lines.append(f"matmul FLOPs/device (loop-aware): {fmt_count(self.matmul_flops)}")
         if self.compile_time_s is not None:
             lines.append(f"compile time: {self.compile_time_s:.2f} s")
         lines += [f"{k}: {v}" for k, v in self.extra.items()]
@@ -189,10 +198,12 @@ def inspect_compiled(
             peak=None if peak is None else int(peak),
         )
     flops, accessed = cost.get("flops"), cost.get("bytes accessed")
+    hlo_text = compiled.as_text()
     return ProgramReport(
-        collectives=parse_collectives(compiled.as_text(), mesh),
+        collectives=parse_collectives(hlo_text, mesh),
         memory=memory,
         flops=None if flops is None else float(flops),
+        matmul_flops=float(count_flops(hlo_text).total),
         bytes_accessed=None if accessed is None else float(accessed),
         compile_time_s=compile_time_s,
         mesh=None if mesh is None else mesh_sizes(mesh),
