@@ -1,0 +1,192 @@
+"""Pipelined steps compute the single-device step's numbers, for every schedule, and their compiled
+programs have the shape the schedule promises."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from models import gpt2, llama
+from partition_rules import preset
+from sharding import make_mesh
+from sharding._pipeline import PipelineConfigError, PipelineSpec
+from sharding._schedule import LayerCountError, TooFewMicrobatchesError
+from sharding._step import compile_train_step
+
+CFG = llama.config("tiny")
+SEQ, F32 = 32, 4
+
+
+def program(strategy, mesh, schedule=None, m=4, r=1, batch=16, family=llama, tx=None, devices=None):
+    cfg = family.config("tiny")
+    spec = None
+    if schedule is not None:
+        spec = PipelineSpec(schedule, m, r, family.INPUT, family.loss_from_logits)
+    return compile_train_step(
+        lambda rngs: family.Model(cfg, rngs=rngs),
+        family.loss,
+        tx or optax.sgd(1e-3),
+        *preset(family.__name__.split(".")[-1], strategy),
+        make_mesh(mesh, devices),
+        family.batch_shapes(cfg, batch, SEQ),
+        pipeline=spec,
+    )
+
+
+def batch_of(family=llama, batch=16):
+    cfg = family.config("tiny")
+    return {
+        k: np.asarray(v)
+        for k, v in family.make_batch(cfg, batch, SEQ, key=jax.random.key(5)).items()
+    }
+
+
+@cache
+def reference(family=llama, batch=16):
+    prog = program("dp", "data=1", family=family, batch=batch, devices=jax.devices()[:1])
+    state = prog.init(0)
+    loss, grads = prog.loss_and_grads(state["params"], batch_of(family, batch))
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def assert_matches_reference(prog, family=llama, batch=16):
+    state = prog.init(0)
+    loss, grads = prog.loss_and_grads(state["params"], batch_of(family, batch))
+    ref_loss, ref_grads = reference(family, batch)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), ref_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6)
+
+
+# (schedule, stages p, micro-batches m, repeats r): p in {2, 4}, m in {p, 2p, 8}, r in {1, 2}
+# where the 4-layer tiny model allows it (circular needs p*r | 4 and m >= p).
+CASES = [
+    ("gpipe", 2, 2, 1),
+    ("gpipe", 2, 4, 1),
+    ("gpipe", 2, 8, 1),
+    ("gpipe", 4, 4, 1),
+    ("gpipe", 4, 8, 1),
+    ("circular", 2, 2, 2),
+    ("circular", 2, 4, 2),
+    ("circular", 2, 8, 2),
+    ("1f1b", 2, 2, 1),
+    ("1f1b", 2, 4, 1),
+    ("1f1b", 2, 8, 1),
+    ("1f1b", 4, 4, 1),
+    ("1f1b", 4, 8, 1),
+]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "r"), CASES)
+def test_schedule_matches_single_device_with_data_parallel(schedule, p, m, r):
+    """stage=p alongside data=8/p: loss and every gradient equal the one-device step."""
+    batch = 16 if m * (8 // p) <= 16 else 32
+    prog = program("pp", f"stage={p},data={8 // p}", schedule, m, r, batch=batch)
+    assert_matches_reference(prog, batch=batch)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_schedule_with_tensor_parallel_stages(schedule):
+    r = 2 if schedule == "circular" else 1
+    prog = program("pp_tp", "stage=2,data=2,tensor=2", schedule, 4, r)
+    assert_matches_reference(prog)
+
+
+def test_1f1b_with_tied_embeddings_and_fsdp_stages():
+    """gpt2 ties the head to the embedding: both uses of the table must add their gradients."""
+    prog = program("pp_fsdp", "stage=2,fsdp=4", "1f1b", 4, family=gpt2)
+    assert_matches_reference(prog, family=gpt2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_three_adamw_steps_match(schedule):
+    tx = optax.adamw(1e-3, eps=1e-6)  # see tests/test_step.py for why eps is raised
+    batch = batch_of()
+    runs = []
+    for prog in (
+        program("dp", "data=1", tx=tx, devices=jax.devices()[:1]),
+        program("pp_tp", "stage=2,data=2,tensor=2", schedule, 4, tx=tx),
+    ):
+        state = prog.init(0)
+        losses = []
+        for _ in range(3):
+            state, metrics = prog.step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs.append((losses, [np.asarray(x) for x in jax.tree.leaves(state["params"])]))
+    (ref_losses, ref_params), (losses, params) = runs
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, want in zip(params, ref_params, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "r", "ticks"),
+    [
+        ("gpipe", 4, 8, 1, 8 + 4 - 1),
+        ("circular", 2, 4, 2, 2 * 4 + 2 - 1),
+        ("1f1b", 4, 8, 1, 2 * (8 + 4 - 1)),
+    ],
+)
+def test_ticks_permute_bytes_and_one_gradient_reduction(schedule, p, m, r, ticks):
+    batch = 32
+    prog = program("pp", f"stage={p},data={8 // p}", schedule, m, r, batch=batch)
+    report = prog.report()
+    activation = (batch // m // (8 // p)) * SEQ * CFG.d_model * F32  # one micro-batch, per device
+    permutes = [op for op in report.collectives if op.kind == "collective-permute"]
+    assert permutes and all(op.axes == ("stage",) for op in permutes)
+    # Forward activations (and backward cotangents) cross one stage boundary per tick.
+    assert {op.multiplicity for op in permutes} == {ticks}
+    assert {op.bytes for op in permutes} == {activation}
+    assert report.count("collective-permute") == 2 * ticks
+    # The data-parallel gradient reduction runs once per step, never inside the tick loop.
+    over_data = [
+        op for op in report.collectives if op.kind == "all-reduce" and "data" in (op.axes or ())
+    ]
+    assert over_data and all(op.multiplicity == 1 for op in over_data)
+    layer_bytes = (
+        llama.param_count(CFG) * F32 - 2 * CFG.vocab_size * CFG.d_model * F32 - CFG.d_model * F32
+    )
+    assert report.collective_bytes("all-reduce", "data") >= layer_bytes // p
+
+
+def test_1f1b_holds_at_most_half_of_gpipes_temporaries():
+    """p=4, m=16: GPipe keeps every micro-batch's stage inputs, 1F1B at most p of them."""
+    temps = {}
+    for schedule in ("gpipe", "1f1b"):
+        prog = program("pp", "stage=4,data=2", schedule, 16, batch=32)
+        temps[schedule] = prog.report().memory.temp
+    assert temps["1f1b"] <= temps["gpipe"] / 2
+
+
+def test_pipeline_errors_before_compiling():
+    with pytest.raises(
+        PipelineConfigError, match=r"global batch 16 must split into 3 micro-batches"
+    ):
+        program("pp", "stage=2,data=4", "gpipe", 3)
+    with pytest.raises(TooFewMicrobatchesError, match=r"m=2|microbatches=2"):
+        program("pp", "stage=4,data=2", "1f1b", 2)
+    with pytest.raises(LayerCountError, match=r"n_layers=4"):
+        program("pp", "stage=4,data=2", "circular", 4, 2)
+    with pytest.raises(PipelineConfigError, match=r"maps 'layers' to None.*pp, pp_tp, pp_fsdp"):
+        program("fsdp_tp", "stage=2,fsdp=2,tensor=2", "gpipe", 4)
+
+
+def test_pipeline_needs_a_stage_axis():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = PipelineSpec("gpipe", 4, 1, "inputs", llama.loss_from_logits)
+    with pytest.raises(
+        PipelineConfigError, match=r"needs a 'stage' mesh axis; this mesh has data=8"
+    ):
+        compile_train_step(
+            lambda rngs: llama.Model(CFG, rngs=rngs),
+            llama.loss,
+            optax.sgd(1e-3),
+            *preset("llama", "pp"),
+            mesh,
+            llama.batch_shapes(CFG, 16, SEQ),
+            pipeline=spec,
+        )
