@@ -15,10 +15,11 @@ from partition_rules._rules import (
     Rules,
     direct_rules,
 )
-from partition_rules.strategies import STRATEGIES
+from partition_rules.strategies import PIPELINE_STRATEGIES, STRATEGIES
 
 __all__ = [
     "FAMILY_RULES",
+    "PIPELINE_STRATEGIES",
     "STRATEGIES",
     "AxisEntry",
     "AxisMap",

@@ -74,6 +74,7 @@ from sharding._schedule import (
     make_schedule,
     render,
 )
+from sharding._stages import StageLoad, StageReport, stack_flop_overhead, stage_report
 from sharding._step import (
     AccumulationError,
     BatchShardingError,
@@ -121,6 +122,8 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleSizeError",
+    "StageLoad",
+    "StageReport",
     "StepConfigError",
     "TokenFile",
     "TokenFileFormatError",
@@ -163,5 +166,7 @@ __all__ = [
     "resolve",
     "shard_abstract",
     "simulate_cpu_devices",
+    "stack_flop_overhead",
+    "stage_report",
     "summarize",
 ]

@@ -86,3 +86,23 @@ def test_train_unknown_strategy_lists_the_known(capsys):
         main(["train", "--strategy", "zero3"])
     err = capsys.readouterr().err
     assert "invalid choice: 'zero3'" in err and "fsdp_tp" in err and "pp_fsdp" in err
+
+
+def test_train_pipeline_flags_need_a_pipeline_strategy(tmp_path, capsys):
+    assert train(tmp_path, "--steps", "1", "--schedule", "1f1b") == 2
+    err = capsys.readouterr().err
+    assert "--schedule configure a pipeline" in err and "'fsdp_tp' does not pipeline" in err
+
+
+def test_train_pipeline_without_a_stage_axis(tmp_path, capsys):
+    assert train(tmp_path, "--steps", "1", "--strategy", "pp") == 2
+    assert "has stage=1; add stage=N with N >= 2" in capsys.readouterr().err
+
+
+def test_train_1f1b_pipeline_runs(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert train(tmp_path, "--steps", "2", "--strategy", "pp_tp", "--mesh", "stage=2,data=2,tensor=2",
+                 "--schedule", "1f1b", "--microbatches", "4", "--metrics", str(metrics)) == 0  # fmt: skip
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    assert "collective-permute" in capsys.readouterr().out

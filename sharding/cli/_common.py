@@ -9,8 +9,9 @@ import sys
 from rich.console import Console
 
 import models
-from partition_rules import STRATEGIES
+from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
 from sharding._mesh import MeshSpec, simulate_cpu_devices
+from sharding._schedule import SCHEDULES
 
 
 def add_model_args(p: argparse.ArgumentParser, *, size: str = "tiny") -> None:
@@ -23,6 +24,42 @@ def add_strategy_args(p: argparse.ArgumentParser, *, default: str = "fsdp_tp") -
     p.add_argument("--mesh", help="mesh spec, e.g. data=2,fsdp=2,tensor=2 (one axis may be -1)")
     p.add_argument("--strategy", default=default, choices=list(STRATEGIES),
                    help="partition preset (default: %(default)s)")  # fmt: skip
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline (strategies pp, pp_tp, pp_fsdp)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: gpipe)")
+    g.add_argument("--microbatches", type=int, help="micro-batches per step (default: 2 x stages)")
+    g.add_argument("--repeats", type=int, help="circular: layer blocks per stage (default: 2)")
+
+
+def pipeline_spec(args: argparse.Namespace, family, stages: int):
+    """The `PipelineSpec` the arguments ask for, or None for a non-pipeline strategy."""
+    from sharding._pipeline import PipelineSpec
+
+    asked = [f"--{k}" for k in ("schedule", "microbatches", "repeats") if getattr(args, k)]
+    if args.strategy not in PIPELINE_STRATEGIES:
+        if asked:
+            raise ValueError(
+                f"{', '.join(asked)} configure a pipeline, but strategy {args.strategy!r} does not "
+                f"pipeline; use one of {sorted(PIPELINE_STRATEGIES)} with a 'stage' mesh axis"
+            )
+        return None
+    if stages < 2:
+        raise ValueError(
+            f"strategy {args.strategy!r} pipelines the layer stack over the 'stage' mesh axis, "
+            f"but --mesh {args.mesh!r} has stage={stages}; add stage=N with N >= 2, "
+            f"e.g. 'stage=2,data=4'"
+        )
+    schedule = args.schedule or "gpipe"
+    repeats = args.repeats or (2 if schedule == "circular" else 1)
+    return PipelineSpec(
+        schedule=schedule,
+        microbatches=args.microbatches or 2 * stages,
+        repeats=repeats,
+        input_key=family.INPUT,
+        loss_from_logits=family.loss_from_logits,
+    )
 
 
 def console(stderr: bool = False) -> Console:

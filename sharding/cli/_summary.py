@@ -50,8 +50,8 @@ def program_summary(args: Any, spec: Any, program: Any, history: list[dict]) -> 
             "memory / device",
             f"arguments {fmt_bytes(m.argument)}, temporaries {fmt_bytes(m.temp)}{peak}",
         )
-    if report.flops:
-        grid.add_row("FLOPs / device / step", fmt_count(report.flops))
+    if report.matmul_flops:
+        grid.add_row("matmul FLOPs / device / step", fmt_count(report.matmul_flops))
     if report.compile_time_s is not None:
         grid.add_row("compile", f"{report.compile_time_s:.2f} s")
     if history:

@@ -11,7 +11,14 @@ import json
 import time
 from pathlib import Path
 
-from sharding.cli._common import add_model_args, add_strategy_args, console, setup_devices
+from sharding.cli._common import (
+    add_model_args,
+    add_pipeline_args,
+    add_strategy_args,
+    console,
+    pipeline_spec,
+    setup_devices,
+)
 
 LM_FAMILIES = ("llama", "gpt2")
 
@@ -20,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model under a strategy", description=__doc__)
     add_model_args(p)
     add_strategy_args(p)
+    add_pipeline_args(p)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument("--seq", type=int, default=64, help="sequence length")
@@ -115,6 +123,7 @@ def build_program(args, fam, cfg, mesh, shapes):
         compute_dtype=args.dtype,
         remat=args.remat,
         clip_norm=args.clip if args.clip > 0 else None,
+        pipeline=pipeline_spec(args, fam, dict(mesh.shape).get("stage", 1)),
     )
 
 
