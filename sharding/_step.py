@@ -160,6 +160,7 @@ class TrainProgram:
     _eval_fn: Callable = field(repr=False)
     _compiled: Any = field(default=None, repr=False)
     compile_time_s: float | None = None
+    schedule: Any = None  # the pipeline's `Schedule`, None without a pipeline
 
     @property
     def param_shardings(self) -> Any:
@@ -214,7 +215,12 @@ class TrainProgram:
         from sharding._inspect import inspect_compiled
 
         compiled = self.compiled
-        return inspect_compiled(compiled, mesh=self.mesh, compile_time_s=self.compile_time_s)
+        report = inspect_compiled(compiled, mesh=self.mesh, compile_time_s=self.compile_time_s)
+        if self.schedule is not None:
+            s = self.schedule
+            report.extra["pipeline"] = f"{s.name} stages={s.stages} microbatches={s.microbatches}"
+            report.extra["bubble_fraction"] = round(s.bubble_fraction, 4)
+        return report
 
 
 def _placed(x: Any, sharding: jshard.NamedSharding) -> bool:
@@ -376,4 +382,5 @@ def compile_train_step(
         _step_fn=step_fn,
         _grad_fn=grad_only,
         _eval_fn=eval_fn,
+        schedule=schedule,
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sharding.cli import explain, train
+from sharding.cli import compare, explain, train
 
-COMMANDS = {"explain": explain, "train": train}
+COMMANDS = {"compare": compare, "explain": explain, "train": train}
 
 
 def main(argv: list[str] | None = None) -> int:

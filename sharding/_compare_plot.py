@@ -1,0 +1,51 @@
+"""The PNG of `spmdkit compare`: speed, memory and traffic of each strategy side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sharding._compare import Result
+
+__all__ = ["plot"]
+
+
+def plot(results: list[Result], path: Path, *, title: str = "") -> Path:
+    """Three bar panels sharing the strategy axis: step time, memory per device, bytes per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.candidate.label}\n{_mesh(r)}" for r in results]
+    panels = [
+        ("step time (ms)", [r.step_time_s * 1e3 for r in results], "tab:blue"),
+        ("train state / device (MiB)", [r.state_bytes / 2**20 for r in results], "tab:green"),
+        ("collective bytes / device / step (MiB)",
+         [r.collective_bytes / 2**20 for r in results], "tab:orange"),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(results) + 1.8), sharey=True)
+    best = min(range(len(results)), key=lambda i: results[i].step_time_s)
+    for ax, (name, values, color) in zip(axes, panels, strict=True):
+        bars = ax.barh(range(len(values)), values, color=color)
+        bars[best].set_edgecolor("black")
+        bars[best].set_linewidth(1.5)
+        ax.set_title(name, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.3g}", va="center", fontsize=7)
+    axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
+    axes[0].invert_yaxis()
+    peaks = [r.peak_bytes for r in results]
+    if all(p is not None for p in peaks):
+        axes[1].scatter([p / 2**20 for p in peaks], range(len(peaks)), marker="|", s=200,
+                        color="black", label="compiled peak")  # fmt: skip
+        axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"spmdkit compare: {title} (outlined: fastest)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _mesh(r: Result) -> str:
+    return ",".join(f"{a}={n}" for a, n in r.mesh_sizes.items() if n > 1) or "1 device"

@@ -1,0 +1,159 @@
+"""`spmdkit compare`: measure every strategy that fits on your model and devices, and choose.
+
+With no arguments: llama tiny on 8 devices (simulated on a CPU-only host), every strategy and
+pipeline schedule, a few timed steps each after warm-up; prints one table and a recommendation,
+writes JSON and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from sharding.cli._common import add_model_args, console, setup_devices
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="measure and compare strategies (the main job)",
+                       description=__doc__)  # fmt: skip
+    add_model_args(p)
+    p.add_argument("--devices", type=int, help="simulated CPU devices (CPU hosts; default 8)")
+    p.add_argument("--mesh", help="run every strategy on this one mesh instead of its own shape")
+    p.add_argument("--strategies", help="comma-separated subset, e.g. dp,fsdp,pp")
+    p.add_argument("--batch", type=int, default=32, help="global batch (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps each (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--memory", help="memory per device, e.g. 80GB: adds a fits column")
+    p.add_argument("--peak-tflops", type=float,
+                   help="peak TFLOP/s per device for MFU (default: datasheet, or measured on CPU)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("compare-out"),
+                   help="folder for compare.json and compare.png (default: %(default)s)")  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sharding._units import parse_bytes
+
+    budget = parse_bytes(args.memory) if args.memory else None
+    setup_devices(args.mesh, args.devices)
+
+    import jax
+    import optax
+
+    import models
+    from sharding._compare import CompareConfig, Skipped, candidates, measure, model_flops
+    from sharding._compare import state_bytes as tree_bytes
+    from sharding._init import abstract_params
+    from sharding._roofline import host_peak
+    from sharding._verdict import comparison_table, recommend
+
+    out = console()
+    fam = models.get_family(args.model)
+    cfg = fam.config(args.size)
+    conf = CompareConfig(args.model, args.size, args.batch, args.seq, args.dtype, args.steps,
+                         args.warmup)  # fmt: skip
+    fam.batch_shapes(cfg, conf.batch, conf.seq)  # checks seq against the model first
+    strategies = tuple(args.strategies.split(",")) if args.strategies else None
+    n_layers = cfg.n_layers
+    todo = candidates(n_layers, jax.device_count(), strategies=strategies, mesh=args.mesh)
+    devices = jax.devices()
+    simulated = devices[0].platform == "cpu"
+    peak = host_peak(devices, dtype=args.dtype, tflops=args.peak_tflops)
+    _, abstract = abstract_params(lambda: fam.Model(cfg, rngs=_rngs()))
+    # The unsplit train state, as one device would hold it: params, AdamW state, step.
+    opt_state = jax.eval_shape(optax.adamw(conf.lr).init, abstract)
+    unsplit = tree_bytes((abstract, opt_state, jax.ShapeDtypeStruct((), "int32")))
+
+    started = time.perf_counter()
+    results, skipped = [], []
+    with _progress(out) as progress:
+        flops_task = progress.add_task("model FLOPs (1 device)", total=1)
+        useful = model_flops(fam, cfg, conf)
+        progress.update(flops_task, advance=1)
+        placed: set[str] = set()
+        for cand in todo:
+            if cand.fallback and cand.strategy in placed:
+                continue
+            task = progress.add_task(f"{cand.label} on {cand.mesh}", total=conf.warmup + conf.steps)
+            try:
+                results.append(measure(cand, fam, cfg, conf, useful_flops=useful, peak=peak,
+                                       on_step=lambda t=task: progress.advance(t)))  # fmt: skip
+                placed.add(cand.strategy)
+            except ValueError as e:  # a strategy the model or mesh cannot take: say why
+                skipped.append(Skipped(cand, f"{type(e).__name__}: {e}"))
+                progress.update(task, description=f"[dim]{cand.label} on {cand.mesh}: skipped")
+                progress.stop_task(task)
+    elapsed = time.perf_counter() - started
+
+    out.print(
+        f"[bold]{args.model} {args.size}[/]: {fam.param_count(cfg):,} parameters, global batch "
+        f"{conf.batch} x {conf.seq} tokens, {conf.dtype}, {len(devices)} "
+        f"{devices[0].platform} devices ({devices[0].device_kind}); MFU against "
+        f"{peak.flops_per_s / 1e12:.3g} TFLOP/s ({peak.source}), useful matmul FLOPs/step "
+        f"{useful:.4g}"
+    )
+    if results:
+        out.print(comparison_table(results, unsplit, budget))
+    shaped = {c.strategy for c in todo if c.fallback}  # strategies offered several shapes
+    for s in skipped:
+        if s.candidate.strategy in shaped and s.candidate.strategy in placed:
+            continue  # a later shape of the same strategy ran
+        first = s.reason.splitlines()[0]
+        out.print(f"[yellow]skipped[/] {s.candidate.label} on {s.candidate.mesh}: {first}")
+    verdict = recommend(results, unsplit, memory_budget=budget, simulated=simulated)
+    out.print("[bold]Recommendation[/]")
+    for i, line in enumerate(verdict.lines):
+        out.print(("  -> " if i == 0 else "     ") + line)
+    out.print(f"measured {len(results)} candidates in {elapsed:.0f} s")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "model": {"family": args.model, "size": args.size, "parameters": fam.param_count(cfg)},
+        "config": dataclasses.asdict(conf),
+        "devices": {
+            "count": len(devices),
+            "platform": devices[0].platform,
+            "kind": devices[0].device_kind,
+        },
+        "peak": peak.to_dict(),
+        "useful_flops_per_step": useful,
+        "unsplit_state_bytes": unsplit,
+        "memory_budget": budget,
+        "results": [r.to_dict() for r in results],
+        "skipped": [
+            {"label": s.candidate.label, "mesh": s.candidate.mesh, "reason": s.reason}
+            for s in skipped
+        ],
+        "recommendation": verdict.to_dict(),
+        "elapsed_s": elapsed,
+    }
+    (args.out / "compare.json").write_text(json.dumps(record, indent=2))
+    from sharding._compare_plot import plot
+
+    plot(results, args.out / "compare.png", title=f"{args.model} {args.size}")
+    out.print(f"wrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")
+    return 0
+
+
+def _rngs():
+    from flax import nnx
+
+    return nnx.Rngs(0)
+
+
+def _progress(out):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=False,
+    )
