@@ -15,11 +15,25 @@ Example:
 """
 
 from models import cnn, gpt2, llama, mlp
+from models._hf import (
+    HFCheckpointNotFoundError,
+    HFError,
+    HFExportError,
+    HFTensorMismatchError,
+    PickleCheckpointError,
+    UnsupportedHFConfigError,
+)
 from models._layers import scan_layers
 from models._registry import FAMILIES, build_config, get_family
 
 __all__ = [
     "FAMILIES",
+    "HFCheckpointNotFoundError",
+    "HFError",
+    "HFExportError",
+    "HFTensorMismatchError",
+    "PickleCheckpointError",
+    "UnsupportedHFConfigError",
     "build_config",
     "cnn",
     "get_family",

@@ -193,3 +193,19 @@ def param_count(cfg: Config) -> int:
     attn = 4 * d * d + 4 * d  # q, k, v, o kernels (N*H = D) and biases
     block = 4 * d + attn + 2 * d * f + f + d
     return (cfg.vocab_size + cfg.max_seq_len) * d + cfg.n_layers * block + 2 * d
+
+
+def from_hf(path, *, mesh=None, rules=None, axis_map=None) -> tuple[Config, Model]:
+    """(cfg, model) from a local Hugging Face gpt2 directory (config.json + *.safetensors),
+    each tensor placed straight into its sharding when `mesh` and `axis_map` are given; see
+    `models._hf_gpt2.gpt2_from_hf`. Pickle files (.bin/.pt) are refused, never opened."""
+    from models._hf_gpt2 import gpt2_from_hf
+
+    return gpt2_from_hf(path, mesh=mesh, rules=rules, axis_map=axis_map)
+
+
+def to_hf(cfg: Config, model: Model, path):
+    """Write config.json + model.safetensors in Hugging Face layout; see `models._hf_gpt2`."""
+    from models._hf_gpt2 import gpt2_to_hf
+
+    return gpt2_to_hf(cfg, model, path)

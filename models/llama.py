@@ -199,3 +199,19 @@ def param_count(cfg: Config) -> int:
     attn = d * cfg.n_heads * h * 2 + d * cfg.n_kv_heads * h * 2  # q, o; k, v
     block = 2 * d + attn + 3 * d * f
     return 2 * cfg.vocab_size * d + cfg.n_layers * block + d
+
+
+def from_hf(path, *, mesh=None, rules=None, axis_map=None) -> tuple[Config, Model]:
+    """(cfg, model) from a local Hugging Face llama directory (config.json + *.safetensors),
+    each tensor placed straight into its sharding when `mesh` and `axis_map` are given; see
+    `models._hf_llama.llama_from_hf`. Pickle files (.bin/.pt) are refused, never opened."""
+    from models._hf_llama import llama_from_hf
+
+    return llama_from_hf(path, mesh=mesh, rules=rules, axis_map=axis_map)
+
+
+def to_hf(cfg: Config, model: Model, path):
+    """Write config.json + model.safetensors in Hugging Face layout; see `models._hf_llama`."""
+    from models._hf_llama import llama_to_hf
+
+    return llama_to_hf(cfg, model, path)
