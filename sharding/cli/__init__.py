@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sharding.cli import compare, explain, train
+from sharding.cli import compare, explain, plan, reshard, train
 
-COMMANDS = {"compare": compare, "explain": explain, "train": train}
+COMMANDS = {
+    "compare": compare,
+    "explain": explain,
+    "plan": plan,
+    "reshard": reshard,
+    "train": train,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,400 @@
+"""Closed-form predictions of what one training step costs per device, for any size and mesh.
+
+`predict` gives the figures `ProgramReport` measures on a compiled step (collective bytes by
+kind and mesh axes, parameter / optimizer / gradient memory, matmul FLOPs, pipeline bubble)
+without compiling anything: parameter placement comes from the abstract parameter tree and the
+preset's rules (as `explain` does), so a 70B model on 512 devices is answered in milliseconds.
+Collectives are in `sharding._costmodel_comm`; tests/test_costmodel.py holds every figure
+against compiled programs.
+
+Memory beyond the train state is an estimate: activations saved for backward (per token per
+layer: 6 d_model-wide tensors, 2.4x the column-parallel matmul outputs, attention scores and
+probabilities in float32; coefficients measured on XLA:CPU's buffer assignment for llama 7b
+blocks), one layer's backward transients, FSDP-gathered layer weights, and the float32 logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flax import nnx
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+import models
+from partition_rules import PIPELINE_STRATEGIES, preset
+from sharding._costmodel_comm import Param, Traffic, classify, tied, traffic
+from sharding._hlo import COLLECTIVE_KINDS
+from sharding._init import abstract_params
+from sharding._mesh import MeshSpec
+from sharding._resolve import plan as place
+from sharding._schedule import Schedule, check_layers, make_schedule
+from sharding._units import fmt_bytes, fmt_count
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# Optimizer state per parameter byte (float32 moments shaped like the parameters).
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}
+LM_FAMILIES = ("llama", "gpt2")
+# Saved-for-backward coefficients (see the module doc), per token per layer.
+SAVED_MODEL_WIDTHS = 6
+SAVED_COLUMN_OUTPUTS = 2.4
+SAVED_SCORE_COPIES = 2  # scores and probabilities, float32
+LOGIT_COPIES = 3  # logits, log-softmax and its cotangent, float32
+PIPELINE_FIELDS = ("name", "microbatches", "repeats", "ticks")
+
+
+class CostModelError(ValueError):
+    """Arguments the cost model cannot predict for."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a prediction is computed from (built by `predict`)."""
+
+    family: str
+    cfg: Any
+    strategy: str
+    sizes: dict[str, int]
+    batch: int
+    seq: int
+    act_bytes: int
+    params: list[Param]
+    schedule: Schedule | None
+    remat: str
+
+
+@dataclass
+class Prediction:
+    """Predicted per-device, per-step figures of one (model, strategy, mesh, batch) setup.
+
+    Byte conventions follow `ProgramReport`: ``collective_bytes`` is comparable to
+    ``report.collective_bytes()``, ``argument_bytes`` to ``report.memory.argument`` and
+    ``memory_bytes`` to ``argument + temp`` of the compiled step.
+    """
+
+    family: str
+    size: str
+    strategy: str
+    mesh: dict[str, int]
+    batch: int
+    seq: int
+    dtype: str
+    optimizer: str
+    remat: str
+    pipeline: dict[str, Any] | None
+    traffic: list[Traffic]
+    n_params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    batch_bytes: int
+    activation_bytes: int
+    working_bytes: int
+    matmul_flops: float
+    critical_flops: float
+    bubble_fraction: float
+    notes: list[str] = field(default_factory=list)
+
+    def collective_bytes(self, kind: str | None = None, axes: str | tuple | None = None) -> int:
+        """Bytes per device per step, of ``kind`` and over exactly ``axes`` if given."""
+        if kind is not None and kind not in COLLECTIVE_KINDS:
+            raise CostModelError(f"unknown collective kind {kind!r}; kinds: {COLLECTIVE_KINDS}")
+        axes = (axes,) if isinstance(axes, str) else axes
+        return sum(
+            x.bytes
+            for x in self.traffic
+            if kind in (None, x.kind) and (axes is None or x.axes == tuple(axes))
+        )
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Collective bytes per kind, in `COLLECTIVE_KINDS` order (kinds with none left out)."""
+        return {k: b for k in COLLECTIVE_KINDS if (b := self.collective_bytes(k))}
+
+    @property
+    def argument_bytes(self) -> int:
+        """Train state + batch: parameters, optimizer state, step counter, token ids."""
+        return self.param_bytes + self.optimizer_bytes + self.batch_bytes + 4
+
+    @property
+    def memory_bytes(self) -> int:
+        """Estimated peak per device: arguments + gradients + activations + working set."""
+        return self.argument_bytes + self.grad_bytes + self.activation_bytes + self.working_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["traffic"] = [{**asdict(x), "axes": list(x.axes)} for x in self.traffic]
+        data.update(
+            collective_bytes=self.collective_bytes(),
+            bytes_by_kind=self.bytes_by_kind(),
+            argument_bytes=self.argument_bytes,
+            memory_bytes=self.memory_bytes,
+        )
+        return data
+
+    def __rich__(self) -> Group:
+        mesh = ",".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "1 device"
+        pipe = ""
+        if self.pipeline:
+            pipe = f", {self.pipeline['name']} m={self.pipeline['microbatches']}"
+        head = Text(
+            f"predicted: {self.family} {self.size} / {self.strategy}{pipe} on {mesh}, batch "
+            f"{self.batch} x seq {self.seq}, {self.dtype}, {self.optimizer}, remat {self.remat}",
+            style="bold",
+        )
+        table = Table()
+        for col in ("collective", "axes", "what", "count", "bytes/device"):
+            table.add_column(col, justify="right" if col in ("count", "bytes/device") else "left")
+        groups: dict[tuple, list[int]] = {}
+        for x in self.traffic:
+            g = groups.setdefault((x.kind, x.axes, x.what), [0, 0])
+            g[0], g[1] = g[0] + x.count, g[1] + x.bytes
+        for (kind, axes, what), (count, nbytes) in sorted(
+            groups.items(), key=lambda kv: (COLLECTIVE_KINDS.index(kv[0][0]), kv[0][1])
+        ):
+            table.add_row(kind, ",".join(axes), what, str(count), fmt_bytes(nbytes))
+        table.add_row("total", "", "", "", fmt_bytes(self.collective_bytes()), style="bold")
+        mem = Table.grid(padding=(0, 2))
+        for name, value in (
+            ("parameters", f"{fmt_count(self.n_params)}, {fmt_bytes(self.param_bytes)}/device"),
+            ("gradients / device", fmt_bytes(self.grad_bytes)),
+            ("optimizer state / device", fmt_bytes(self.optimizer_bytes)),
+            ("activations / device", fmt_bytes(self.activation_bytes)),
+            ("working set / device", fmt_bytes(self.working_bytes)),
+            ("memory / device (est.)", fmt_bytes(self.memory_bytes)),
+            ("matmul FLOPs / device", fmt_count(self.matmul_flops)),
+            ("pipeline bubble", f"{self.bubble_fraction:.1%}"),
+        ):
+            mem.add_row(name, value)
+        return Group(head, table, mem, *(Text(n, style="dim") for n in self.notes))
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract(family: str, cfg: Any) -> Any:
+    fam = models.get_family(family)
+    return abstract_params(lambda: fam.Model(cfg, rngs=nnx.Rngs(0)))[1]
+
+
+def _pipeline_args(pipeline: Any) -> tuple[str, int, int] | None:
+    if pipeline is None:
+        return None
+    if hasattr(pipeline, "schedule"):  # a PipelineSpec
+        return pipeline.schedule, pipeline.microbatches, pipeline.repeats
+    schedule, microbatches, *rest = pipeline
+    return schedule, microbatches, rest[0] if rest else 1
+
+
+def setup(
+    family: str,
+    cfg: Any,
+    strategy: str,
+    mesh_sizes: dict[str, int],
+    batch: int,
+    seq: int,
+    *,
+    pipeline: Any = None,
+    dtype: str = "float32",
+    remat: str = "none",
+) -> Setup:
+    """Validate the arguments and place the parameters; see `predict`."""
+    if family not in LM_FAMILIES:
+        raise CostModelError(
+            f"the cost model covers the language-model families {LM_FAMILIES}, not {family!r}"
+        )
+    if isinstance(cfg, str):
+        cfg = models.get_family(family).config(cfg)
+    if dtype not in DTYPE_BYTES:
+        raise CostModelError(f"unknown dtype {dtype!r}; choose one of {list(DTYPE_BYTES)}")
+    if remat not in ("none", "full"):
+        raise CostModelError(f"remat {remat!r} is not modelled; choose 'none' or 'full'")
+    sizes = MeshSpec.of(dict(mesh_sizes)).sizes
+    if -1 in sizes.values():
+        raise CostModelError(f"mesh sizes {mesh_sizes} have a -1 axis; give every size")
+    p, split = sizes["stage"], sizes["data"] * sizes["fsdp"]
+    pipelined = strategy in PIPELINE_STRATEGIES
+    args = _pipeline_args(pipeline)
+    if pipelined != (args is not None) or (pipelined and p < 2) or (p > 1 and not pipelined):
+        raise CostModelError(
+            f"strategy {strategy!r} with stage={p} and pipeline={args}: pipeline strategies "
+            f"({', '.join(sorted(PIPELINE_STRATEGIES))}) need stage >= 2 and a pipeline "
+            f"(schedule, microbatches, repeats); the others need stage=1 and pipeline=None"
+        )
+    if batch % split:
+        raise CostModelError(
+            f"global batch {batch} is not divisible by data x fsdp = {split}; use a multiple of "
+            f"{split}"
+        )
+    schedule = None
+    if args is not None:
+        schedule = make_schedule(p, args[1], args[0], args[2])
+        check_layers(cfg.n_layers, p, schedule.repeats)
+        if batch % args[1] or (batch // args[1]) % split:
+            raise CostModelError(
+                f"global batch {batch} must split into {args[1]} micro-batches of a size "
+                f"divisible by data x fsdp = {split}; use a multiple of {args[1] * split}"
+            )
+    rules, axis_map = preset(family, strategy)
+    placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
+    return Setup(family, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
+                 classify(placements, sizes), schedule, remat)  # fmt: skip
+
+
+def _split(s: Setup, logical_name: str) -> int:
+    """The tensor split of a logical axis of the layer kernels (1 when unsplit)."""
+    t = s.sizes["tensor"]
+    hit = any(logical_name in q.logical and "tensor" in q.axes for q in s.params)
+    return t if hit else 1
+
+
+def _column_width(s: Setup) -> float:
+    """Per device, the summed output widths of the layer kernels that read d_model."""
+    n_layers, d = s.cfg.n_layers, s.cfg.d_model
+    return sum(
+        q.size / (n_layers * d) / (s.sizes["tensor"] if "tensor" in q.axes else 1)
+        for q in s.params
+        if q.role == "layer" and len(q.shape) >= 3 and q.logical[1] == "embed"
+    )
+
+
+def _layer_activations(s: Setup, tokens: int) -> float:
+    """Bytes one layer saves for backward for ``tokens`` tokens on one device, without remat."""
+    heads = s.cfg.n_heads / _split(s, "heads")
+    per_token = s.act_bytes * (
+        SAVED_MODEL_WIDTHS * s.cfg.d_model + SAVED_COLUMN_OUTPUTS * _column_width(s)
+    )
+    return tokens * (per_token + SAVED_SCORE_COPIES * 4 * heads * s.seq)
+
+
+def _flops(s: Setup, rows: int) -> tuple[float, float]:
+    """(matmul FLOPs per device per step, those on the critical path of the lock-step ticks).
+
+    2 FLOPs per multiply-add; backward twice the forward; remat adds a forward.
+    """
+    cfg, sz = s.cfg, s.sizes
+    t, p = sz["tensor"], sz["stage"]
+    layer_mm = sum(q.size for q in s.params if q.role == "layer" and len(q.shape) >= 3)
+    head_mm = sum(
+        q.size for q in s.params if q.role == "head" or (q.role == "table" and tied(s.params))
+    )
+    attn = 4 * s.seq * cfg.n_heads * cfg.head_dim  # q.k and p.v per token per layer, forward
+
+    def layer_fwd(tokens: int, layers: float) -> float:
+        return tokens * layers * (2 * layer_mm / cfg.n_layers + attn) / t
+
+    head = 6 * rows * s.seq * head_mm / t
+    extra = s.remat == "full"
+    if s.schedule is None:
+        flops = layer_fwd(rows * s.seq, cfg.n_layers) * (3 + extra) + head
+        return flops, flops
+    sched = s.schedule
+    stage = layer_fwd(rows * s.seq // sched.microbatches, cfg.n_layers / p / sched.repeats)
+    if sched.name == "1f1b":
+        # m forwards + m backwards (a VJP recomputing the forward) run; the stages tick in
+        # lock-step, so each of the 2(m+p-1) ticks lasts a backward.
+        return stage * (4 + extra) * sched.microbatches + head, stage * (
+            3 + extra
+        ) * sched.ticks + head
+    # gpipe/circular: every tick runs (bubble ticks on zeros); backward recomputes the stage.
+    flops = stage * (4 + extra) * sched.ticks + head
+    return flops, flops
+
+
+def predict(
+    family: str,
+    cfg: Any,
+    strategy: str,
+    mesh_sizes: dict[str, int],
+    batch: int,
+    seq: int,
+    *,
+    pipeline: Any = None,
+    dtype: str = "float32",
+    optimizer: str = "adamw",
+    remat: str = "none",
+) -> Prediction:
+    """Predict one training step's per-device costs, without devices or compilation.
+
+    Args:
+        family, cfg: a language-model family ("llama", "gpt2") and its Config (or size name).
+        strategy: a preset name (`partition_rules.STRATEGIES`).
+        mesh_sizes: axis sizes, e.g. ``{"fsdp": 64, "tensor": 8}`` (missing axes are 1).
+        batch, seq: global batch (sequences per step) and sequence length.
+        pipeline: ``(schedule, microbatches, repeats)`` or a `PipelineSpec`, for pp presets.
+        dtype: compute dtype ("float32", "bfloat16"); master weights stay float32.
+        optimizer: "adamw", "adam" or "sgd" (state bytes).
+        remat: "none" or "full" (each layer recomputed in backward).
+
+    Example:
+        >>> pred = predict("llama", "70b", "fsdp_tp", {"fsdp": 64, "tensor": 8}, 512, 4096,
+        ...                dtype="bfloat16", remat="full")  # doctest: +SKIP
+        >>> fmt_bytes(pred.memory_bytes), fmt_bytes(pred.collective_bytes())  # doctest: +SKIP
+    """
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise CostModelError(
+            f"unknown optimizer {optimizer!r}; choose one of {list(OPTIMIZER_MOMENTS)}"
+        )
+    s = setup(family, cfg, strategy, mesh_sizes, batch, seq, pipeline=pipeline, dtype=dtype,
+              remat=remat)  # fmt: skip
+    sz, cfg = s.sizes, s.cfg
+    rows = batch // (sz["data"] * sz["fsdp"])
+    param_bytes = sum(
+        q.nbytes // math.prod(sz[a] for a in q.axes) for q in s.params
+    )  # float32 master weights, one shard per device
+    moments = OPTIMIZER_MOMENTS[optimizer]
+    layer_act = _layer_activations(s, rows * seq)
+    p = sz["stage"]
+    if s.schedule is None:
+        saved = rows * seq * cfg.d_model * s.act_bytes if remat == "full" else layer_act
+        activations, transient = cfg.n_layers * saved, layer_act
+    else:
+        mb_act = _layer_activations(s, rows * seq // s.schedule.microbatches)
+        held = s.schedule.buffer_slots if s.schedule.name == "1f1b" else s.schedule.ticks
+        mb_in = rows * seq // s.schedule.microbatches * cfg.d_model * s.act_bytes
+        # Stage inputs held per tick (gpipe) or per buffer slot (1f1b); the backward of one
+        # micro-batch recomputes the stage, saving each layer's activations (or inputs).
+        stage_saved = (cfg.n_layers // p) * (mb_in if remat == "full" else mb_act)
+        activations, transient = held * mb_in, stage_saved + mb_act
+    gathered = 0.0
+    if sz["fsdp"] > 1:  # one layer's weights gathered whole over fsdp at a time
+        gathered = s.act_bytes * sum(
+            q.size / cfg.n_layers / math.prod(sz[a] for a in q.axes if a != "fsdp")
+            for q in s.params
+            if q.role == "layer"
+        )
+    vocab = cfg.vocab_size / (sz["tensor"] if any(
+        "tensor" in q.axes for q in s.params if q.role in ("head", "table")) else 1)  # fmt: skip
+    logits = LOGIT_COPIES * rows * seq * vocab * 4
+    sched = s.schedule
+    flops, critical = _flops(s, rows)
+    notes = ["1f1b: FLOPs count what runs (a compiled count charges every branch of a tick)"]
+    notes = notes if sched is not None and sched.name == "1f1b" else []
+    return Prediction(
+        family=family,
+        size=getattr(cfg, "name", "?"),
+        strategy=strategy,
+        mesh=dict(sz),
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        optimizer=optimizer,
+        remat=remat,
+        pipeline=None if sched is None else {k: getattr(sched, k) for k in PIPELINE_FIELDS},
+        traffic=traffic(s),
+        n_params=sum(q.size for q in s.params),
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes,
+        optimizer_bytes=moments * param_bytes + (4 if moments else 0),
+        batch_bytes=2 * rows * seq * 4,
+        activation_bytes=int(activations),
+        working_bytes=int(transient + gathered + logits),
+        matmul_flops=flops,
+        critical_flops=critical,
+        bubble_fraction=0.0 if sched is None else sched.bubble_fraction,
+        notes=notes,
+    )
+
+
+__all__ = ["CostModelError", "Prediction", "Setup", "Traffic", "predict", "setup"]

@@ -1,0 +1,257 @@
+"""Collective bytes per device per step, in closed form from the placed parameter tree.
+
+The conventions are `sharding._hlo`'s: an all-gather moves its *output*, every other collective
+its *operand*; a collective inside the layer scan runs once per layer. The terms follow what the
+SPMD partitioner emits for spmdkit's step (jax 0.10, measured on the tests' programs, checked by
+tests/test_costmodel.py), not an idealised Megatron/ZeRO count; where the two differ the term
+says so. Gradients are float32 (master weights); activations and gathered weights move in the
+compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+BATCH_AXES = ("data", "fsdp")
+# Per-row softmax statistics a vocabulary-split head all-reduces over tensor (max, sum of exps,
+# the target logit, and the backward's sum), each float32 [rows, seq].
+HEAD_STAT_REDUCTIONS = 4
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One modelled collective: bytes per device per step (summed over ``count`` runs)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int
+    count: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Param:
+    """A placed parameter and its role in the step (from its logical axes)."""
+
+    path: str
+    shape: tuple[int, ...]
+    logical: tuple[Any, ...]
+    axes: frozenset[str]  # mesh axes of size > 1 that split it
+    nbytes: int  # whole parameter, float32
+    role: str  # layer | table | positions | head | vector | other
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def classify(placements: list, sizes: dict[str, int]) -> list[Param]:
+    """`Param`s from `sharding._resolve.plan` placements (family tables' logical names)."""
+    params = []
+    for pl in placements:
+        logical = tuple(pl.logical or (None,) * len(pl.shape))
+        axes = frozenset(
+            a
+            for entry in pl.spec
+            for a in ((entry,) if isinstance(entry, str) else (entry or ()))
+            if sizes.get(a, 1) > 1
+        )
+        first, last = logical[0] if logical else None, logical[-1] if logical else None
+        if first == "layers":
+            role = "layer"
+        elif first == "vocab" and len(logical) == 2:
+            role = "table"
+        elif first == "positions":
+            role = "positions"
+        elif last == "vocab":
+            role = "head"
+        elif len(logical) == 1:
+            role = "vector"
+        else:
+            role = "other"
+        params.append(Param(pl.path, tuple(pl.shape), logical, axes, pl.bytes_total, role))
+    return params
+
+
+def tied(params: list[Param]) -> bool:
+    """The token table is also the output head (GPT-2) when no parameter ends in 'vocab'."""
+    return any(p.role == "table" for p in params) and not any(p.role == "head" for p in params)
+
+
+def matmul_kinds(params: list[Param], sizes: dict[str, int]) -> tuple[int, int]:
+    """(column-parallel, row-parallel) kernels per layer under the tensor axis.
+
+    Column: reads d_model, writes a tensor-split width (q, k, v, gate, up, fc): its input's
+    gradient is a partial sum, all-reduced in backward. Row: reads a tensor-split width, writes
+    d_model (o, down, proj): its output is all-reduced in forward.
+    """
+    if sizes.get("tensor", 1) == 1:
+        return 0, 0
+    col = row = 0
+    for p in params:
+        if p.role != "layer" or len(p.shape) < 3 or "tensor" not in p.axes:
+            continue
+        col += p.logical[1] == "embed"
+        row += p.logical[-1] == "embed"
+    return col, row
+
+
+class _Sink(list):
+    def add(self, kind: str, axes: tuple[str, ...], nbytes: float, count: int, what: str) -> None:
+        if axes and nbytes > 0 and count > 0:
+            self.append(Traffic(kind, axes, round(nbytes), count, what))
+
+
+def traffic(s: Any) -> list[Traffic]:
+    """Every collective of one training step of setup ``s`` (a `sharding._costmodel.Setup`)."""
+    out = _Sink()
+    sz = s.sizes
+    d, f = sz.get("data", 1), sz.get("fsdp", 1)
+    batch_axes = tuple(a for a in BATCH_AXES if sz.get(a, 1) > 1)
+    rows = s.batch // (d * f)  # sequences per device (whole step)
+    act = rows * s.seq * s.cfg.d_model * s.act_bytes  # one [rows, seq, d_model] activation
+    sched, n_layers = s.schedule, s.cfg.n_layers
+    one_f_one_b = sched is not None and sched.name == "1f1b"
+
+    def grad_bytes(q: Param, full_rows: bool = False) -> float:
+        g = q.nbytes / math.prod(sz[a] for a in q.axes if a in ("tensor", "stage"))
+        if q.role == "positions" and not full_rows:  # only the first `seq` rows are used
+            g *= s.seq / q.shape[0]
+        return g
+
+    def reduce_grad(q: Param, what: str, *, full_rows: bool = False, extra=()) -> None:
+        g, count = grad_bytes(q, full_rows), (n_layers if q.role == "layer" and not sched else 1)
+        if "fsdp" in q.axes and "tensor" in q.axes:
+            # Reduce-scatter over fsdp, then the shard over data. XLA:CPU emits an all-reduce
+            # plus a slice for the scatter; its operand, hence its bytes, is the same.
+            out.add("reduce-scatter", ("fsdp",), g, count, what)
+            out.add("all-reduce", ("data",) if d > 1 else (), g / f, count, what)
+        elif "fsdp" in q.axes:  # measured: one reduction over data and fsdp together
+            out.add("reduce-scatter", (*extra, *batch_axes), g, count, what)
+        else:
+            out.add("all-reduce", (*extra, *batch_axes), g, count, what)
+
+    for q in s.params:
+        if q.role == "table":
+            _table(out, s, q, act, rows, batch_axes, grad_bytes(q))
+            if tied(s.params) and not one_f_one_b:
+                reduce_grad(q, "gradient of the tied head")
+                _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "tied head weights")
+        elif one_f_one_b and q.role != "layer":
+            pass  # reduced below, with the rest of 1f1b's head-side parameters
+        else:
+            reduce_grad(q, f"gradient reduction ({'layers' if q.role == 'layer' else q.role})")
+        if q.role == "head":
+            _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "head weights")
+        elif q.role == "positions":
+            _fsdp_gather(out, s, q, 1, "position table", rows_used=s.seq)
+        elif q.role in ("vector", "other"):
+            _fsdp_gather(out, s, q, 2, "final norm")
+    if one_f_one_b:
+        # 1f1b differentiates the head at the last stage inside the scan: the cotangents of every
+        # non-layer parameter (zeros for the embedding's) are summed over stage and the batch.
+        for q in s.params:
+            if q.role != "layer":
+                reduce_grad(q, "1f1b head-side gradients", full_rows=True, extra=("stage",))
+            if q.role == "positions":
+                reduce_grad(q, "gradient of the position table")
+
+    _layers(out, s, act, rows)
+    heads = [q for q in s.params if q.role == "head" or (q.role == "table" and tied(s.params))]
+    if any("tensor" in q.axes for q in heads):
+        out.add("all-reduce", ("tensor",), act, 1, "head input gradient (vocab split)")
+        stats = HEAD_STAT_REDUCTIONS * rows * s.seq * 4
+        out.add("all-reduce", ("tensor",), stats, HEAD_STAT_REDUCTIONS, "softmax statistics")
+    if sched is not None:
+        _pipeline(out, s, act, rows)
+    return list(out)
+
+
+def _fsdp_gather(out: _Sink, s: Any, q: Param, times: int, what: str, rows_used=None) -> None:
+    if "fsdp" not in q.axes:
+        return
+    other = math.prod(s.sizes[a] for a in q.axes if a != "fsdp")
+    nbytes = q.size / other * s.act_bytes * (rows_used / q.shape[0] if rows_used else 1)
+    out.add("all-gather", ("fsdp",), times * nbytes, times, what)
+
+
+def _table(out, s, q: Param, act: float, rows: int, batch_axes, grad: float) -> None:
+    """The token lookup: the cheapest resharding XLA finds for each placement of the table."""
+    d, f, t = (s.sizes.get(a, 1) for a in ("data", "fsdp", "tensor"))
+    split_v, split_d = "tensor" in q.axes, "fsdp" in q.axes
+    if split_v and split_d and d > 1:
+        # Measured (data > 1): XLA reshards the [V/t, D/f] table to [V, D/t] (a permute and a gather; it
+        # warns of "involuntary full rematerialization"), looks up locally, gathers the result
+        # over tensor; backward reduces the [V, D/t] gradient and permutes it back.
+        shard = q.nbytes / (t * f)
+        out.add("collective-permute", ("data", "fsdp", "tensor"), 2 * shard, 2, "table reshard")
+        out.add("all-gather", ("data",) if d > 1 else ("fsdp",), q.nbytes / t, 1, "table gather")
+        out.add("all-gather", ("tensor",), act, 1, "looked-up activations")
+        out.add("all-reduce", batch_axes, q.nbytes / t, 1, "gradient of the token table")
+    elif split_d:
+        # Rows stay put: the token ids are gathered over fsdp, looked up in the local column
+        # slice, and the activations all-to-all'd to batch-split (and back in backward); with
+        # the vocabulary split too, the lookups are partial sums over tensor.
+        out.add("all-gather", ("fsdp",), rows * f * s.seq * 4, 1, "token ids")
+        out.add("all-to-all", ("fsdp",), 2 * act, 2, "looked-up activations")
+        if split_v:
+            out.add("all-reduce", ("tensor",), act, 1, "lookup partial sums (vocab split)")
+    else:
+        if split_v:  # each device looks up its vocabulary slice; partial sums all-reduced
+            out.add("all-reduce", ("tensor",), act, 1, "lookup partial sums (vocab split)")
+        out.add("all-reduce", batch_axes, grad, 1, "gradient of the token table")
+
+
+def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
+    """FSDP weight gathers and tensor-parallel activation reductions of the layer stack."""
+    sz, sched, n_layers = s.sizes, s.schedule, s.cfg.n_layers
+    p, t = sz.get("stage", 1), sz.get("tensor", 1)
+    col, row = matmul_kinds(s.params, sz)
+    remat = s.remat != "none"
+    if sched is None:
+        passes, per_pass_layers, a = 1, n_layers, act
+    else:  # every tick runs the stage's layers on one micro-batch (bubble ticks on zeros)
+        passes, per_pass_layers = sched.ticks, n_layers // p
+        a = act / sched.microbatches
+        remat = remat or sched.name != "1f1b"  # gpipe/circular rematerialise the stage body
+    if sched is not None and sched.name == "1f1b":
+        # Ticks branch between forward and backward (a VJP that recomputes the forward): a
+        # stage runs m of each; idle ticks run nothing.
+        passes, remat = sched.microbatches, True
+    layer_gathered = sum(
+        q.size / math.prod(sz[x] for x in q.axes if x != "fsdp")
+        for q in s.params
+        if q.role == "layer" and "fsdp" in q.axes
+    )
+    if layer_gathered and sz.get("fsdp", 1) > 1:
+        # ZeRO-3: each layer's weights gathered for its forward and again for its backward.
+        nbytes = layer_gathered / n_layers * per_pass_layers * s.act_bytes
+        out.add("all-gather", ("fsdp",), 2 * passes * nbytes, 2 * passes * per_pass_layers,
+                "layer weights (forward + backward)")  # fmt: skip
+    if t > 1 and (col or row):
+        count = passes * per_pass_layers
+        out.add("all-reduce", ("tensor",), count * row * a, count * row, "row-parallel outputs")
+        if remat:
+            out.add("all-reduce", ("tensor",), count * row * a, count * row,
+                    "row-parallel outputs (recomputed in backward)")  # fmt: skip
+        out.add("all-reduce", ("tensor",), count * col * a, count * col,
+                "column-parallel input gradients")  # fmt: skip
+
+
+def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
+    """Stage-to-stage shifts per tick and the stage reductions around the pipelined region."""
+    sched = s.schedule
+    mb = act / sched.microbatches  # one micro-batch's activation on this device
+    if sched.name == "1f1b":
+        # One tick forwards an activation and backwards a cotangent on every stage.
+        out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
+                "activations + cotangents to the neighbour stage")  # fmt: skip
+        out.add("all-reduce", ("stage",), act, 1, "input cotangents to the embedding")
+    else:
+        out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
+                "activations forward, cotangents backward")  # fmt: skip
+        # The last stage's outputs are summed over stage to leave the pipeline, and the input
+        # cotangent likewise on the way back.
+        out.add("all-reduce", ("stage",), 2 * act, 2, "pipeline outputs + input cotangents")
