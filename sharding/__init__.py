@@ -45,6 +45,14 @@ from sharding._data import (
     global_batch_rows,
     make_global_batch,
 )
+from sharding._distributed import (
+    DistributedConfigError,
+    DistributedInitError,
+    ProcessGroup,
+    init_from_args,
+    process_batch,
+    resolve_process_group,
+)
 from sharding._explain import Explanation, explain
 from sharding._hlo import FlopCount, count_flops
 from sharding._init import abstract_params, init_sharded
@@ -137,6 +145,8 @@ __all__ = [
     "DataError",
     "DataFileNotFoundError",
     "DeviceProfile",
+    "DistributedConfigError",
+    "DistributedInitError",
     "DuplicateMeshAxisError",
     "ElasticPolicyError",
     "Explanation",
@@ -158,6 +168,7 @@ __all__ = [
     "Placement",
     "PlanCandidate",
     "Prediction",
+    "ProcessGroup",
     "ProgramReport",
     "RankMismatchError",
     "RepeatsError",
@@ -199,6 +210,7 @@ __all__ = [
     "fmt_bytes",
     "fmt_count",
     "global_batch_rows",
+    "init_from_args",
     "init_sharded",
     "inspect_compiled",
     "make_global_batch",
@@ -212,10 +224,12 @@ __all__ = [
     "plan",
     "plan_candidates",
     "predict",
+    "process_batch",
     "remat_wrapper",
     "render",
     "reshard_checkpoint",
     "resolve",
+    "resolve_process_group",
     "shard_abstract",
     "simulate_cpu_devices",
     "stack_flop_overhead",

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sharding.cli import compare, explain, plan, reshard, train
+from sharding.cli import compare, explain, launch, plan, reshard, train
 
 COMMANDS = {
     "compare": compare,
     "explain": explain,
+    "launch": launch,
     "plan": plan,
     "reshard": reshard,
     "train": train,

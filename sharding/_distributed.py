@@ -1,0 +1,316 @@
+"""Multi-process (multi-host) runs on `jax.distributed`: who the coordinator is, how many processes.
+
+A run is multi-process when the flags or the environment name more than one process. Sources,
+first match wins:
+
+1. flags ``--coordinator HOST:PORT --num-processes N --process-id I``;
+2. ``SPMDKIT_COORDINATOR``, ``SPMDKIT_NUM_PROCESSES``, ``SPMDKIT_PROCESS_ID`` (on a Kubernetes
+   Indexed Job the id may come from ``JOB_COMPLETION_INDEX`` instead; point the coordinator at
+   pod 0 through a headless service, e.g. ``myjob-0.myjob-svc:1234``);
+3. torchrun style ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``;
+4. SLURM (``srun``): ``SLURM_NTASKS`` > 1, left to `jax.distributed.initialize`'s own detection.
+
+Each process then owns its local devices (on a CPU-only host: ``--devices`` simulated CPU devices
+per process, collectives over gloo), the mesh spans every process's devices, and each process
+loads only its rows of the global batch. Liveness is bounded: a process whose peer dies stops
+within about ``--heartbeat-timeout`` seconds with an error naming the lost peer, instead of
+waiting in a collective forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+HEARTBEAT_TIMEOUT_S = 10
+INIT_TIMEOUT_S = 120
+DEFAULT_GLOBAL_CPU_DEVICES = 8
+
+
+class DistributedConfigError(ValueError):
+    """The multi-process settings (flags or environment) are incomplete or inconsistent."""
+
+
+class DistributedInitError(RuntimeError):
+    """`jax.distributed.initialize` failed: the coordinator or a peer never answered."""
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """Where this process sits in a multi-process run, and where the settings came from.
+
+    ``coordinator`` is None only for SLURM, where `jax.distributed.initialize` finds it itself.
+    """
+
+    coordinator: str | None
+    num_processes: int
+    process_id: int
+    source: str
+
+    def __str__(self) -> str:
+        where = self.coordinator or "auto-detected"
+        return f"process {self.process_id} of {self.num_processes} (coordinator {where}, {self.source})"
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """Add the ``multi-host (jax.distributed)`` argument group to a subcommand's parser."""
+    g = p.add_argument_group(
+        "multi-host (jax.distributed)",
+        "Omit for one process. Also read from SPMDKIT_COORDINATOR/SPMDKIT_NUM_PROCESSES/"
+        "SPMDKIT_PROCESS_ID, torchrun's MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, or SLURM. "
+        "On CPU hosts --devices counts the simulated devices of each process.",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="address of process 0's coordination service")  # fmt: skip
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
+    g.add_argument("--heartbeat-timeout", type=int, default=HEARTBEAT_TIMEOUT_S, metavar="S",
+                   help="seconds without a heartbeat before a peer counts as dead "
+                   "(default: %(default)s)")  # fmt: skip
+
+
+def _int(value: str | int | None, name: str, source: str) -> int | None:
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedConfigError(
+            f"{name}={value!r} (from {source}) is not an integer; set it to a whole number"
+        ) from None
+
+
+def _check_address(address: str, source: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedConfigError(
+            f"coordinator address {address!r} (from {source}) is not HOST:PORT; write e.g. "
+            f"'10.0.0.1:1234' or '127.0.0.1:{port if port.isdigit() else 1234}'"
+        )
+    return address
+
+
+def resolve_process_group(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ProcessGroup | None:
+    """The multi-process settings from flags, else the environment; None for one process.
+
+    Example:
+        >>> resolve_process_group("127.0.0.1:1234", 2, 1, env={})
+        ProcessGroup(coordinator='127.0.0.1:1234', num_processes=2, process_id=1, source='flags')
+        >>> resolve_process_group(env={"WORLD_SIZE": "1", "RANK": "0"}) is None
+        True
+    """
+    env = os.environ if env is None else env
+    flags = {"--coordinator": coordinator, "--num-processes": num_processes,
+             "--process-id": process_id}  # fmt: skip
+    if any(v is not None for v in flags.values()):
+        values, source = flags, "flags"
+    elif "SPMDKIT_COORDINATOR" in env or "SPMDKIT_NUM_PROCESSES" in env:
+        pid = env.get("SPMDKIT_PROCESS_ID", env.get("JOB_COMPLETION_INDEX"))
+        values = {"SPMDKIT_COORDINATOR": env.get("SPMDKIT_COORDINATOR"),
+                  "SPMDKIT_NUM_PROCESSES": env.get("SPMDKIT_NUM_PROCESSES"),
+                  "SPMDKIT_PROCESS_ID": pid}  # fmt: skip
+        source = "SPMDKIT_* environment"
+    elif "WORLD_SIZE" in env:
+        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        values = {"MASTER_ADDR:MASTER_PORT": f"{addr}:{port}" if addr and port else None,
+                  "WORLD_SIZE": env.get("WORLD_SIZE"), "RANK": env.get("RANK")}  # fmt: skip
+        source = "torchrun environment"
+    elif "SLURM_JOB_ID" in env and "SLURM_NTASKS" in env:
+        n = _int(env["SLURM_NTASKS"], "SLURM_NTASKS", "SLURM")
+        pid = _int(env.get("SLURM_PROCID", "0"), "SLURM_PROCID", "SLURM")
+        return None if n == 1 else ProcessGroup(None, n, pid, "SLURM")
+    else:
+        return None
+    (_, addr), (n_name, n), (id_name, pid) = values.items()
+    n, pid = _int(n, n_name, source), _int(pid, id_name, source)
+    if n is not None and n < 1:
+        raise DistributedConfigError(f"{n_name}={n} (from {source}) must be >= 1")
+    if n == 1 and pid in (None, 0):
+        return None
+    missing = [k for k, v in values.items() if v is None]
+    if missing:
+        given = ", ".join(f"{k}={v}" for k, v in values.items() if v is not None)
+        raise DistributedConfigError(
+            f"multi-process settings from {source} are incomplete: {given} given, but "
+            f"{', '.join(missing)} missing; give all three (or none, for one process)"
+        )
+    if not 0 <= pid < n:
+        raise DistributedConfigError(
+            f"{id_name}={pid} is outside 0..{n - 1} ({n_name}={n}, from {source}); "
+            f"number the processes 0..{n - 1}"
+        )
+    return ProcessGroup(_check_address(addr, source), n, pid, source)
+
+
+def devices_per_process(group: ProcessGroup, devices: int | None, mesh_size: int | None) -> int:
+    """Simulated CPU devices for each process: ``devices``, else the mesh's share, else 8 / N."""
+    n = group.num_processes
+    if devices is not None:
+        if devices < 1:
+            raise DistributedConfigError(f"--devices {devices} must be >= 1 (devices per process)")
+        return devices
+    total = mesh_size if mesh_size is not None else DEFAULT_GLOBAL_CPU_DEVICES
+    if total % n:
+        raise DistributedConfigError(
+            f"the mesh needs {total} devices in all, which do not split evenly over "
+            f"{n} processes; pass --devices K (simulated CPU devices per process) with "
+            f"K x {n} equal to the mesh size, or change the mesh"
+        )
+    return total // n
+
+
+def initialize(
+    group: ProcessGroup,
+    cpu_devices: int | None = None,
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+    init_timeout_s: int = INIT_TIMEOUT_S,
+) -> None:
+    """Join the run: gloo CPU collectives, ``cpu_devices`` simulated devices, `jax.distributed`.
+
+    Must run before any JAX computation. A dead peer is noticed by the coordination service within
+    ``heartbeat_timeout_s``, and the survivors exit instead of waiting; the shutdown barrier at
+    exit is bounded by the same time, so a survivor never waits long for a peer that is gone.
+    """
+    import jax
+
+    from sharding._mesh import simulate_cpu_devices
+
+    if cpu_devices is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        simulate_cpu_devices(cpu_devices)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=group.coordinator,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
+            initialization_timeout=init_timeout_s,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+            shutdown_timeout_seconds=heartbeat_timeout_s,
+        )
+    except Exception as e:  # the runtime raises bare RuntimeErrors (XlaRuntimeError)
+        raise DistributedInitError(
+            f"{group}: could not join the run within {init_timeout_s} s: "
+            f"{str(e).strip().splitlines()[0]}. Check that all {group.num_processes} processes "
+            f"started with the same coordinator and process count and distinct ids"
+        ) from e
+    _install_peer_error_hook(group, heartbeat_timeout_s)
+
+
+def init_from_args(args: argparse.Namespace) -> ProcessGroup | None:
+    """Join a multi-process run as the parsed flags and environment say; no-op for one process.
+
+    Call before anything initialises JAX. On CPU-only hosts this fixes ``args.devices`` to the
+    simulated devices of this process; on processes other than 0 it drops ``args.metrics``, so
+    only process 0 writes the metrics file.
+    """
+    group = resolve_process_group(args.coordinator, args.num_processes, args.process_id)
+    if group is None:
+        return None
+    from sharding._mesh import MeshSpec
+    from sharding.cli._common import cpu_only
+
+    cpu_devices = None
+    if cpu_only():
+        spec = MeshSpec.of(args.mesh) if getattr(args, "mesh", None) else None
+        fixed = spec is not None and -1 not in spec.sizes.values()
+        cpu_devices = devices_per_process(group, args.devices, spec.size if fixed else None)
+        args.devices = cpu_devices
+    heartbeat = getattr(args, "heartbeat_timeout", HEARTBEAT_TIMEOUT_S)
+    if heartbeat < 1:
+        raise DistributedConfigError(f"--heartbeat-timeout {heartbeat} must be >= 1 second")
+    initialize(group, cpu_devices, heartbeat)
+    if group.process_id != 0 and getattr(args, "metrics", None) is not None:
+        args.metrics = None
+    return group
+
+
+def process_batch(
+    dataset, step: int, global_batch: int, seq_len: int, shardings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Step ``step``'s global ``{"inputs", "targets"}`` batch, loading only this process's rows.
+
+    The rows come from what this process's devices hold under ``shardings`` (``[global_batch,
+    seq_len]`` each), so any layout works: a batch split over processes loads a slice, a batch
+    replicated over processes (e.g. processes split along ``tensor``) loads all of it. ``dataset``
+    is any ``rows(step, start, stop, seq_len)`` dataset of `sharding._data`.
+
+    Example:
+        >>> import jax
+        >>> from jax import sharding as jshard
+        >>> from sharding._data import ArithmeticText
+        >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jshard.AxisType.Auto,))
+        >>> s = jshard.NamedSharding(mesh, jshard.PartitionSpec("data"))
+        >>> process_batch(ArithmeticText(), 0, 2, 4, {"inputs": s, "targets": s})["inputs"].shape
+        (2, 4)
+    """
+    import jax
+
+    shape = (global_batch, seq_len)
+    spans = [
+        idx[0].indices(global_batch)[:2]
+        for s in shardings.values()
+        for idx in s.addressable_devices_indices_map(shape).values()
+    ]
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    window = dataset.rows(step, lo, hi, seq_len)
+    local = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+    def shard(key: str, idx: tuple) -> np.ndarray:
+        start, stop = idx[0].indices(global_batch)[:2]
+        return local[key][start - lo : stop - lo][(slice(None), *idx[1:])]
+
+    return {
+        k: jax.make_array_from_callback(shape, s, functools.partial(shard, k))
+        for k, s in shardings.items()
+    }
+
+
+_HOOKED = False
+# Fragments of the runtime's errors when a peer vanished mid-collective or from the service.
+_PEER_LOST = ("gloo", "connection closed", "connection reset", "heartbeat", "unavailable",
+              "coordination service", "socket closed", "broken pipe")  # fmt: skip
+
+
+def _install_peer_error_hook(group: ProcessGroup, heartbeat_timeout_s: int) -> None:
+    """On an uncaught error: the traceback, then one line saying why, then exit status 1.
+
+    The exit skips the `jax.distributed` shutdown barrier, which can only wait for peers that are
+    gone (and then aborts the process with a C++ stack trace).
+    """
+    global _HOOKED
+    if _HOOKED:
+        return
+    _HOOKED = True
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        first = (str(value).strip().splitlines() or [kind.__name__])[0]
+        if any(s in first.lower() for s in _PEER_LOST):
+            why = (f"a peer process is gone ({first}); a multi-process run cannot continue "
+                   f"without all its processes")  # fmt: skip
+        else:
+            why = (f"{kind.__name__}: {first}; the other processes stop within about "
+                   f"{heartbeat_timeout_s} s once they miss this one")  # fmt: skip
+        print(
+            f"spmdkit: {group} stopped: {why}. Restart all {group.num_processes} processes "
+            f"(with --checkpoint-dir and --resume to continue from the last checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
