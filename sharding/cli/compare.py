@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from sharding.cli._common import add_model_args, console, setup_devices
+from sharding.cli.train import LM_FAMILIES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from sharding._units import parse_bytes
 
     budget = parse_bytes(args.memory) if args.memory else None
+    if args.model not in LM_FAMILIES:
+        raise ValueError(
+            f"spmdkit compare measures language models ({', '.join(LM_FAMILIES)}); "
+            f"{args.model!r} is compared through the Python API (sharding._compare.measure)"
+        )
     setup_devices(args.mesh, args.devices)
 
     import jax

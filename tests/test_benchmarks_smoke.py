@@ -1,0 +1,146 @@
+"""The benchmarks' pure helpers, their input errors, and one tiny compile each of the measuring
+functions (scaling, pipeline_schedules) and of MaxText's FLOP formula against a compiled step."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import optax
+import pytest
+
+from benchmarks import mfu, peer, pipeline_schedules, scaling
+from models import llama
+from partition_rules import preset
+from sharding import MemoryStats, compile_train_step, make_mesh
+
+SAMPLE_LOG = """\
+I0101 00:00:01.000 140 max_utils.py:42] Total memory size: 1.2 GB
+I0101 00:00:09.000 140 metric_logger.py:196] completed step: 0, seconds: 7.900, TFLOP/s/device: \
+0.004, Tokens/s/device: 64.800, total_weights: 4096, loss: 6.951
+I0101 00:00:10.000 140 metric_logger.py:196] completed step: 1, seconds: 0.600, TFLOP/s/device: \
+0.047, Tokens/s/device: 853.333, total_weights: 4096, loss: 6.903
+I0101 00:00:11.000 140 metric_logger.py:196] completed step: 2, seconds: 0.500, TFLOP/s/device: \
+0.056, Tokens/s/device: 1024.000, total_weights: 4096, loss: 6.850
+I0101 00:00:11.500 140 metric_logger.py:196] completed step: 3, seconds: 0.400, TFLOP/s/device: \
+0.070, Tokens/s/device: 1280.000, total_weights: 4096, loss: 6.801, lr: 1.000e-03
+"""
+
+
+def test_maxtext_log_parser_reads_every_step_line():
+    records = peer.parse_maxtext_log(SAMPLE_LOG)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[1] == {"step": 1, "seconds": 0.6, "TFLOP/s/device": 0.047,
+                          "Tokens/s/device": 853.333, "total_weights": 4096.0, "loss": 6.903}  # fmt: skip
+    assert records[3]["lr"] == 1e-3  # extras MaxText appends are kept
+    summary = peer.summarize_log(records, skip=2)
+    assert summary == {"steps": 2, "loss": 6.801, "seconds": 0.45, "TFLOP/s/device": 0.063,
+                       "Tokens/s/device": 1152.0, "loss_by_step": {0: 6.951, 1: 6.903,
+                       2: 6.85, 3: 6.801}}  # fmt: skip
+
+
+def test_side_by_side_compares_losses_at_the_same_step():
+    ours = [{"label": "dp", "mesh": "data=8", "seconds": 0.9, "TFLOP/s/device": 0.02,
+             "Tokens/s/device": 600.0, "loss": 6.85, "losses": [6.95, 6.9, 6.85]}]  # fmt: skip
+    theirs = {"dp": peer.summarize_log(peer.parse_maxtext_log(SAMPLE_LOG), skip=2)}
+    table = peer.side_by_side(ours, theirs)
+    row = {c.header: next(iter(c.cells)) for c in table.columns}
+    assert row["seconds\nMaxText"] == "0.45" and row["seconds\nratio"] == "2.00"
+    assert row["loss\nMaxText"] == "6.85" and row["loss\nratio"] == "1.00"  # step 2, not 3
+
+
+def test_maxtext_log_errors_name_the_file_and_the_format():
+    with pytest.raises(peer.MaxTextLogError, match=r"run\.log: no MaxText step lines.*seconds"):
+        peer.parse_maxtext_log("step 1 loss 3.0\n", "run.log")
+    assert peer.parse_log_arg("stage=4,data=2=logs/pp.txt") == ("pp", peer.Path("logs/pp.txt"))
+    assert peer.parse_log_arg("data=2,tensor=4=tp.log")[0] == "tp"  # canonical order too
+    with pytest.raises(peer.MaxTextLogError, match=r"'data=4=x.log'.*data=8=FILE \(dp=FILE\)"):
+        peer.parse_log_arg("data=4=x.log")
+
+
+def test_maxtext_commands_match_each_mesh():
+    pp = peer.maxtext_command("pp", "stage=4,data=2", 8, steps=20, config="base.yml")
+    assert pp.startswith("python -m maxtext.trainers.pre_train.train base.yml")
+    for flag in ("ici_pipeline_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                 "num_pipeline_microbatches=8", "num_layers_per_pipeline_stage=2",
+                 "per_device_batch_size=2", "base_emb_dim=256", "vocab_size=1024"):  # fmt: skip
+        assert flag in pp
+    tp = peer.maxtext_command("tp", "tensor=4,data=2", None, steps=20, config="base.yml")
+    assert "ici_tensor_parallelism=4" in tp and "num_pipeline" not in tp
+
+
+def test_maxtext_flop_formula_matches_the_compiled_step():
+    """MaxText's count halves causal attention; the compiled step computes the full score
+    matrix, so it does the formula's work plus that other half."""
+    cfg = llama.config("tiny")
+    b, s = 2, 64
+    program = compile_train_step(
+        lambda r: llama.Model(cfg, rngs=r), llama.loss, optax.adamw(1e-3), *preset("llama", "dp"),
+        make_mesh("data=1", jax.devices()[:1]), llama.batch_shapes(cfg, b, s),
+    )  # fmt: skip
+    compiled = program.report().matmul_flops
+    other_half = 3 * cfg.n_layers * 4 * b * s * s * cfg.n_heads * cfg.head_dim / 2
+    formula = peer.maxtext_train_flops_per_device(cfg, b, s)
+    assert compiled == pytest.approx(formula + other_half, rel=0.01)
+
+
+def test_scaling_helpers_and_errors():
+    assert scaling.device_counts(8) == [1, 2, 4, 8]
+    with pytest.raises(scaling.ScalingArgumentError, match=r"--devices 6: .*power of two"):
+        scaling.device_counts(6)
+    assert [scaling.mesh_for(s, 2) for s in scaling.STRATEGIES] == [
+        "data=2", "fsdp=2", "tensor=2", "stage=2"]  # fmt: skip
+    with pytest.raises(scaling.ScalingArgumentError, match=r"'dp_tp'.*dp, fsdp, tp, pp"):
+        scaling.mesh_for("dp_tp", 2)
+    cpu_like = MemoryStats(argument=10, output=8, temp=100, alias=8, generated_code=0, peak=11)
+    assert scaling.compiled_peak(cpu_like) == 110  # CPU's peak leaves temps out: use the sum
+    gpu_like = MemoryStats(argument=10, output=8, temp=100, alias=8, generated_code=0, peak=105)
+    assert scaling.compiled_peak(gpu_like) == 105
+
+
+def test_scaling_measure_pipeline_on_two_devices():
+    args = argparse.Namespace(size="tiny", layers=4, kv_heads=4, batch=8, seq=16)
+    row = scaling.measure("pp", 2, args)
+    assert row["mesh"] == "stage=2" and row["microbatches"] == 4
+    assert row["collectives"]["collective-permute"]["bytes"] > 0
+    full = scaling.measure("pp", 1, args)
+    assert full["collective_bytes"] == 0  # one device: the unpipelined step
+    assert row["param_bytes"] < full["param_bytes"]  # each stage holds its own layers
+
+
+def test_mfu_helpers():
+    assert mfu.sizes_largest_first(llama.SIZES, llama.param_count)[-1] == "tiny"
+    assert mfu.train_flops_6nd(10, 3) == 180.0
+    limit, source = mfu.memory_limit(jax.devices()[0], "2GB")
+    assert (limit, source) == (2 * 10**9, "--memory")
+    row = mfu.try_size(llama, "1b", argparse.Namespace(seq=64), jax.devices()[0], limit)
+    assert not row["fits"] and "train state alone exceeds" in row["reason"]
+
+
+def test_pipeline_grid_and_errors():
+    points, skipped = pipeline_schedules.grid([2, 4], [2, 8], ["gpipe", "1f1b", "circular"], 8)
+    assert (4, 2, "1f1b") not in points and (4, 2, "gpipe") in points
+    assert (4, 8, "circular") in points and len(points) == 10
+    assert any("needs micro-batches >= stages" in s for s in skipped)
+    with pytest.raises(pipeline_schedules.GridError, match=r"unknown schedules \['zb'\]"):
+        pipeline_schedules.grid([2], [4], ["zb"], 8)
+    with pytest.raises(pipeline_schedules.GridError, match=r"no runnable point.*3 layers"):
+        pipeline_schedules.grid([2], [4], ["gpipe"], 3)
+    assert pipeline_schedules.implied_bubble(None) is None
+
+
+def test_pipeline_measure_one_point():
+    args = argparse.Namespace(layers=4, data=1, batch=None, seq=16, steps=1, warmup=0,
+                              no_overhead=False)  # fmt: skip
+    row = pipeline_schedules.measure(2, 4, "gpipe", args)
+    assert row["ticks"] == 5 and row["bubble"] == pytest.approx(1 / 5)
+    assert row["flop_overhead"] == pytest.approx(5 / 4, rel=0.02)
+    assert row["permute_count"] > 0 and row["step_time_s"] > 0
+
+
+def test_mfu_says_when_no_size_fits(tmp_path):
+    argv = ["--size", "maxtext-tiny", "--memory", "1MB", "--out", str(tmp_path)]
+    with pytest.raises(mfu.NoSizeFitsError, match=r"fits 977 KiB .*: the smallest needs 102 MiB"):
+        mfu.main(argv)
+    with pytest.raises(mfu.NoSizeFitsError, match=r"seq 256 > max_seq_len 128"):
+        mfu.main(["--size", "tiny", "--out", str(tmp_path)])
