@@ -95,15 +95,22 @@ def measure(strategy: str, mesh_spec: str, args) -> dict:
     states = {who: program.init(0) for who in runs}
     times = {who: [] for who in runs}
     losses = {who: [] for who in runs}
+
+    def timed(i: int, who: str) -> None:
+        start = time.perf_counter()
+        states[who], m = runs[who](states[who], batch)
+        loss = float(m["loss"])  # waits for the step
+        if i >= args.warmup:
+            times[who].append(time.perf_counter() - start)
+            losses[who].append(loss)
+
+    # The compared pair runs interleaved, ABBA, so drift and cache effects fall on both alike;
+    # the naive program (slower, other traffic) runs on its own afterwards.
     for i in range(args.warmup + args.steps):
-        order = list(runs) if i % 2 == 0 else list(reversed(runs))  # alternate who goes first
-        for who in order:
-            start = time.perf_counter()
-            states[who], m = runs[who](states[who], batch)
-            loss = float(m["loss"])
-            if i >= args.warmup:
-                times[who].append(time.perf_counter() - start)
-                losses[who].append(loss)
+        for who in ("spmdkit", "hand") if i % 2 == 0 else ("hand", "spmdkit"):
+            timed(i, who)
+    for i in range(args.warmup + args.steps):
+        timed(i, "naive")
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "strategy": strategy,
