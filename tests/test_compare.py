@@ -108,3 +108,15 @@ def test_compare_end_to_end(tmp_path, capsys):
 def test_compare_unknown_peak_device_kind_message():
     with pytest.raises(UnknownDeviceKindError, match="known kinds"):
         device_peak("cpu")
+
+
+def test_compare_memory_budget_picks_what_fits(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--strategies", "dp,fsdp", "--batch", "16", "--seq", "32", "--steps", "1",
+            "--warmup", "0", "--memory", "1MiB", "--peak-tflops", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "data parallelism alone cannot hold this model" in text
+    record = json.loads((out / "compare.json").read_text())
+    assert record["recommendation"]["strategy"] == "fsdp"  # dp's 2 MiB of state does not fit
+    assert record["peak"]["source"] == "given" and record["peak"]["per_device"] == 1e12
