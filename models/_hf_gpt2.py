@@ -17,11 +17,11 @@ output is `[q | k | v]`, each `[N, H]`-major; each of our q/k/v kernels reads it
 
 Names may carry the `transformer.` prefix (`save_pretrained` of GPT2LMHeadModel) or not (the
 original hub files, which also hold the causal-mask buffers `h.{i}.attn.bias`, skipped here).
-`gpt2_to_hf` writes the prefixed form. The head is tied, as in our model: a checkpoint with
+`gpt2.to_hf` writes the prefixed form. The head is tied, as in our model: a checkpoint with
 `tie_word_embeddings: false` is refused.
 
 Example:
-    >>> cfg, model = gpt2_from_hf("path/to/gpt2")  # doctest: +SKIP
+    >>> cfg, model = gpt2.from_hf("path/to/gpt2")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from flax import nnx
-
 from models import gpt2
-from models._hf import Family, Source, check_config_keys, load, require, save
+from models._hf import Family, Source, check_config_keys, require
 
 _MAPPED = {
     "model_type", "vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "n_ctx",
@@ -150,32 +148,3 @@ FAMILY = Family(
     sources=sources,
     ignored=_ignored,
 )
-
-
-def gpt2_from_hf(
-    path: str | pathlib.Path, *, mesh=None, rules=None, axis_map=None
-) -> tuple[gpt2.Config, gpt2.Model]:
-    """Read a local HF GPT-2 directory into `(cfg, model)`.
-
-    Args:
-        path: directory with config.json and model.safetensors (or a sharded index + shards).
-        mesh: place each parameter on this `jax.sharding.Mesh`; None loads on one device.
-        rules: partition rules (default: the gpt2 family table).
-        axis_map: the strategy, e.g. `partition_rules.strategy("fsdp_tp")`; required with mesh.
-
-    Each device reads only its own slice of each tensor from the safetensors files.
-
-    Raises:
-        PickleCheckpointError: the weights are .bin/.pt/.pth (never unpickled).
-        UnsupportedHFConfigError: untied head, another activation, per-layer score scaling.
-        HFTensorMismatchError: tensors missing, unexpected or of the wrong shape.
-    """
-    return load(FAMILY, path, mesh=mesh, rules=rules, axis_map=axis_map)
-
-
-def gpt2_to_hf(cfg: gpt2.Config, model: nnx.Module, path: str | pathlib.Path) -> pathlib.Path:
-    """Write `model` as an HF GPT-2 directory (config.json + model.safetensors); returns `path`.
-
-    `gpt2_from_hf(gpt2_to_hf(cfg, model, path))` gives back `cfg` and bit-identical params.
-    """
-    return save(FAMILY, cfg, model, path)

@@ -16,12 +16,12 @@ and `models._layers.rope` rotates halves too. Only the layouts differ:
     lm_head.weight                             [V, D]    -> lm_head/kernel         [D, V]
 
 A checkpoint with `tie_word_embeddings: true` (Llama 3.2 1B/3B) loads with lm_head/kernel set to
-the transposed token table (our head is always untied; logits are the same); `llama_to_hf`
+the transposed token table (our head is always untied; logits are the same); `llama.to_hf`
 then writes both tensors and `tie_word_embeddings: false`.
 
 Example:
-    >>> cfg, model = llama_from_hf("path/to/Llama-3.2-1B")  # doctest: +SKIP
-    >>> cfg, model = llama_from_hf(path, mesh=make_mesh("fsdp=8"), axis_map=strategy("fsdp"))  # doctest: +SKIP
+    >>> cfg, model = llama.from_hf("path/to/Llama-3.2-1B")  # doctest: +SKIP
+    >>> cfg, model = llama.from_hf(path, mesh=make_mesh("fsdp=8"), axis_map=strategy("fsdp"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -29,17 +29,13 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from flax import nnx
-
 from models import llama
 from models._hf import (
     Family,
     Source,
     UnsupportedHFConfigError,
     check_config_keys,
-    load,
     require,
-    save,
 )
 
 _MAPPED = {
@@ -164,32 +160,3 @@ FAMILY = Family(
     sources=sources,
     ignored=_ignored,
 )
-
-
-def llama_from_hf(
-    path: str | pathlib.Path, *, mesh=None, rules=None, axis_map=None
-) -> tuple[llama.Config, llama.Model]:
-    """Read a local HF Llama directory into `(cfg, model)`.
-
-    Args:
-        path: directory with config.json and model.safetensors (or a sharded index + shards).
-        mesh: place each parameter on this `jax.sharding.Mesh`; None loads on one device.
-        rules: partition rules (default: the llama family table).
-        axis_map: the strategy, e.g. `partition_rules.strategy("fsdp_tp")`; required with mesh.
-
-    Each device reads only its own slice of each tensor from the safetensors files.
-
-    Raises:
-        PickleCheckpointError: the weights are .bin/.pt/.pth (never unpickled).
-        UnsupportedHFConfigError: config.json asks for RoPE scaling, biases, another activation.
-        HFTensorMismatchError: tensors missing, unexpected or of the wrong shape.
-    """
-    return load(FAMILY, path, mesh=mesh, rules=rules, axis_map=axis_map)
-
-
-def llama_to_hf(cfg: llama.Config, model: nnx.Module, path: str | pathlib.Path) -> pathlib.Path:
-    """Write `model` as an HF Llama directory (config.json + model.safetensors); returns `path`.
-
-    `llama_from_hf(llama_to_hf(cfg, model, path))` gives back `cfg` and bit-identical params.
-    """
-    return save(FAMILY, cfg, model, path)

@@ -202,16 +202,29 @@ def param_count(cfg: Config) -> int:
 
 
 def from_hf(path, *, mesh=None, rules=None, axis_map=None) -> tuple[Config, Model]:
-    """(cfg, model) from a local Hugging Face llama directory (config.json + *.safetensors),
-    each tensor placed straight into its sharding when `mesh` and `axis_map` are given; see
-    `models._hf_llama.llama_from_hf`. Pickle files (.bin/.pt) are refused, never opened."""
-    from models._hf_llama import llama_from_hf
+    """Read a local Hugging Face Llama directory (config.json + *.safetensors, a sharded index
+    included) into ``(cfg, model)``.
 
-    return llama_from_hf(path, mesh=mesh, rules=rules, axis_map=axis_map)
+    Args:
+        path: the checkpoint directory.
+        mesh: place each parameter on this mesh, each device reading only its own slice of each
+            tensor; None loads on one device.
+        rules: partition rules (default: the llama family table).
+        axis_map: the strategy, e.g. ``partition_rules.strategy("fsdp_tp")``; required with mesh.
+
+    Raises:
+        PickleCheckpointError: the weights are .bin/.pt/.pth (never unpickled).
+        UnsupportedHFConfigError: config.json asks for RoPE scaling, biases, another activation.
+        HFTensorMismatchError: tensors missing, unexpected or of the wrong shape.
+    """
+    from models import _hf, _hf_llama  # lazy: they import this module
+
+    return _hf.load(_hf_llama.FAMILY, path, mesh=mesh, rules=rules, axis_map=axis_map)
 
 
 def to_hf(cfg: Config, model: Model, path):
-    """Write config.json + model.safetensors in Hugging Face layout; see `models._hf_llama`."""
-    from models._hf_llama import llama_to_hf
+    """Write ``model`` as a Hugging Face Llama directory (config.json + model.safetensors) and
+    return its path; ``from_hf`` of it gives back ``cfg`` and bit-identical parameters."""
+    from models import _hf, _hf_llama
 
-    return llama_to_hf(cfg, model, path)
+    return _hf.save(_hf_llama.FAMILY, cfg, model, path)

@@ -27,15 +27,13 @@ from models._hf import (
     PickleCheckpointError,
     UnsupportedHFConfigError,
 )
-from models._hf_gpt2 import gpt2_from_hf, gpt2_to_hf
-from models._hf_llama import llama_from_hf, llama_to_hf
 from partition_rules import preset
 from partition_rules.strategies import EXAMPLE_MESHES_8, PIPELINE_STRATEGIES, STRATEGIES
 from sharding import make_mesh, resolve
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
-FROM_HF = {"llama": llama_from_hf, "gpt2": gpt2_from_hf}
-TO_HF = {"llama": llama_to_hf, "gpt2": gpt2_to_hf}
+FROM_HF = {"llama": llama.from_hf, "gpt2": gpt2.from_hf}
+TO_HF = {"llama": llama.to_hf, "gpt2": gpt2.to_hf}
 # The fixtures have 2 layers, so the 4-stage example mesh becomes 2 stages.
 MESHES = {s: m.replace("stage=4,data=2", "stage=2,data=4") for s, m in EXAMPLE_MESHES_8.items()}
 
@@ -138,16 +136,16 @@ def test_pickle_weights_are_refused_unopened(name, tmp_path):
     shutil.copy(FIXTURES / "llama" / "config.json", tmp_path / "config.json")
     (tmp_path / name).write_bytes(b"\x80\x04not a pickle; opening it would fail differently")
     with pytest.raises(PickleCheckpointError, match=rf"{name}.*never loaded.*safetensors"):
-        llama_from_hf(tmp_path)
+        llama.from_hf(tmp_path)
     with pytest.raises(PickleCheckpointError, match="never loaded"):
-        gpt2_from_hf(tmp_path / name)
+        gpt2.from_hf(tmp_path / name)
 
 
 def test_safetensors_are_used_when_pickle_weights_sit_beside_them(tmp_path):
     path = copy_fixture("gpt2", tmp_path)
     (path / "pytorch_model.bin").write_bytes(b"never read")
     ref = reference("gpt2")
-    _, model = gpt2_from_hf(path)
+    _, model = gpt2.from_hf(path)
     np.testing.assert_allclose(model(ref["inputs"]), ref["logits"], atol=1e-4, rtol=0)
 
 
@@ -155,19 +153,19 @@ def test_sharded_index_missing_shard_is_named(tmp_path):
     path = copy_fixture("llama", tmp_path)
     (path / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(HFCheckpointNotFoundError, match=r"model-00002-of-00003\.safetensors"):
-        llama_from_hf(path)
+        llama.from_hf(path)
 
 
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(HFCheckpointNotFoundError, match="not a Hugging Face checkpoint"):
-        llama_from_hf(tmp_path / "nope")
+        llama.from_hf(tmp_path / "nope")
     with pytest.raises(HFCheckpointNotFoundError, match=r"no config\.json"):
-        llama_from_hf(tmp_path)
+        llama.from_hf(tmp_path)
     shutil.copy(FIXTURES / "gpt2" / "config.json", tmp_path / "config.json")
     with pytest.raises(HFCheckpointNotFoundError, match=r"no model\.safetensors"):
-        gpt2_from_hf(tmp_path)
+        gpt2.from_hf(tmp_path)
     with pytest.raises(UnsupportedHFConfigError, match="model_type='gpt2', expected 'llama'"):
-        llama_from_hf(FIXTURES / "gpt2")
+        llama.from_hf(FIXTURES / "gpt2")
 
 
 @pytest.mark.parametrize(
@@ -199,7 +197,7 @@ def test_tensor_problems_are_listed_together(tmp_path):
     weights["transformer.h.0.adapter.weight"] = np.ones(3, np.float32)
     save_file(weights, path / "model.safetensors")
     with pytest.raises(HFTensorMismatchError, match=r"3 problem") as info:
-        gpt2_from_hf(path)
+        gpt2.from_hf(path)
     text = str(info.value)
     assert "missing transformer.h.1.mlp.c_fc.bias [128]" in text
     assert "unexpected transformer.h.0.adapter.weight" in text
@@ -217,12 +215,12 @@ def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(tmp_path):
     weights["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
     save_file(weights, path / "model.safetensors")
     ref = reference("gpt2")
-    _, model = gpt2_from_hf(path)
+    _, model = gpt2.from_hf(path)
     np.testing.assert_allclose(model(ref["inputs"]), ref["logits"], atol=1e-4, rtol=0)
 
     bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in weights.items()}
     save_file(bf16, path / "model.safetensors")
-    _, model = gpt2_from_hf(path)
+    _, model = gpt2.from_hf(path)
     got = params(model)["wte/embedding"]
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, bf16["wte.weight"].astype(np.float32))
@@ -231,25 +229,25 @@ def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(tmp_path):
 def test_llama_tied_embeddings_load_as_a_copy(tmp_path):
     path = copy_fixture("llama", tmp_path)
     edit_config(path, tie_word_embeddings=True)
-    cfg, model = llama_from_hf(path)  # lm_head.weight is still in the files: ignored, as HF does
+    cfg, model = llama.from_hf(path)  # lm_head.weight is still in the files: ignored, as HF does
     embed = load_file(path / "model-00001-of-00003.safetensors")["model.embed_tokens.weight"]
     np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), embed.T)
-    out = llama_to_hf(cfg, model, tmp_path / "untied")
+    out = llama.to_hf(cfg, model, tmp_path / "untied")
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     np.testing.assert_array_equal(tensors(out)["lm_head.weight"], embed)
 
 
 def test_mesh_needs_an_axis_map_and_export_checks(tmp_path):
     with pytest.raises(HFError, match=r"needs axis_map.*strategy\('fsdp_tp'\)"):
-        llama_from_hf(FIXTURES / "llama", mesh=make_mesh("fsdp=8"))
-    cfg, model = gpt2_from_hf(FIXTURES / "gpt2")
+        llama.from_hf(FIXTURES / "llama", mesh=make_mesh("fsdp=8"))
+    cfg, model = gpt2.from_hf(FIXTURES / "gpt2")
     with pytest.raises(HFExportError, match="needs a llama Config and Model"):
-        llama_to_hf(cfg, model, tmp_path / "x")
+        llama.to_hf(cfg, model, tmp_path / "x")
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(HFExportError, match=r"model-00001-of-00002\.safetensors.*empty directory"):
-        gpt2_to_hf(cfg, model, stale)
+        gpt2.to_hf(cfg, model, stale)
 
 
 def test_config_mapping_round_trips_for_real_sizes():
@@ -312,7 +310,7 @@ def test_each_device_reads_only_its_slice(monkeypatch):
             return self.inner.get_shape()
 
     monkeypatch.setattr(_hf.Checkpoint, "tensor", lambda self, n: Recorder(n, tensor(self, n)))
-    llama_from_hf(FIXTURES / "llama", mesh=make_mesh("fsdp=8"), axis_map=preset("llama", "fsdp")[1])
+    llama.from_hf(FIXTURES / "llama", mesh=make_mesh("fsdp=8"), axis_map=preset("llama", "fsdp")[1])
     table = reads["model.embed_tokens.weight"]
     assert max(table) == 256 * 64 // 8
     assert sum(table) == 256 * 64
