@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flax import nnx
+from jax.sharding import AbstractMesh
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -31,8 +32,9 @@ from sharding._costmodel_comm import Param, Traffic, classify, tied, traffic
 from sharding._hlo import COLLECTIVE_KINDS
 from sharding._init import abstract_params
 from sharding._mesh import MeshSpec
+from sharding._pipeline import PipelineSpec, check_pipeline
 from sharding._resolve import plan as place
-from sharding._schedule import Schedule, check_layers, make_schedule
+from sharding._schedule import Schedule
 from sharding._units import fmt_bytes, fmt_count
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -227,16 +229,11 @@ def setup(
             f"global batch {batch} is not divisible by data x fsdp = {split}; use a multiple of "
             f"{split}"
         )
-    schedule = None
-    if args is not None:
-        schedule = make_schedule(p, args[1], args[0], args[2])
-        check_layers(cfg.n_layers, p, schedule.repeats)
-        if batch % args[1] or (batch // args[1]) % split:
-            raise CostModelError(
-                f"global batch {batch} must split into {args[1]} micro-batches of a size "
-                f"divisible by data x fsdp = {split}; use a multiple of {args[1] * split}"
-            )
     rules, axis_map = preset(family, strategy)
+    schedule = None
+    if args is not None:  # the very checks compile_train_step makes
+        mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+        schedule = check_pipeline(PipelineSpec(*args), mesh, axis_map, cfg.n_layers, batch)
     placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
     return Setup(family, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
                  classify(placements, sizes), schedule, remat)  # fmt: skip

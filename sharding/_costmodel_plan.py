@@ -18,6 +18,7 @@ import models
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
 from sharding._costmodel import CostModelError, Prediction, predict
 from sharding._mesh import AXES
+from sharding._pipeline import PipelineConfigError
 from sharding._resolve import RuleError
 from sharding._schedule import ScheduleError
 from sharding._units import fmt_bytes
@@ -192,7 +193,7 @@ def candidates(
                     try:
                         pred = predict(family, cfg, name, sizes, batch, seq, pipeline=pipe,
                                        dtype=dtype, optimizer=optimizer, remat=remat)  # fmt: skip
-                    except (CostModelError, RuleError, ScheduleError):
+                    except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
                         continue
                     compute = pred.critical_flops / profile.peak_flops[dtype]
                     fits = pred.memory_bytes <= memory_bytes

