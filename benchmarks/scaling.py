@@ -57,20 +57,6 @@ def mesh_for(strategy: str, n: int) -> str:
     return f"{AXIS[strategy]}={n}"
 
 
-def compiled_peak(memory: Any) -> int | None:
-    """Peak bytes per device of a compiled program (`sharding.MemoryStats`).
-
-    XLA's ``peak`` where it counts the temporaries (GPU, TPU); on CPU it reports little more than
-    the arguments, so there the sum arguments + outputs - aliased + temporaries is used, an upper
-    bound that assumes every temporary is live at once.
-    """
-    if memory is None:
-        return None
-    if memory.peak is not None and memory.peak >= memory.temp:
-        return memory.peak
-    return memory.argument + memory.output - memory.alias + memory.temp
-
-
 def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
     """Compile (only) ``strategy`` on the first ``n`` devices and read its per-device figures."""
     import jax
@@ -107,7 +93,7 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
         "microbatches": None if pipeline is None else pipeline.microbatches,
         "param_bytes": state_bytes(program.abstract_state["params"], program.param_shardings),
         "state_bytes": state_bytes(program.abstract_state, program.state_shardings),
-        "peak_bytes": compiled_peak(m),
+        "peak_bytes": None if m is None else m.allocated,
         "temp_bytes": None if m is None else m.temp,
         "collective_bytes": report.collective_bytes(),
         "collectives": {

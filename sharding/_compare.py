@@ -98,7 +98,7 @@ class Result:
     mesh_sizes: dict[str, int]
     param_bytes: int
     state_bytes: int
-    peak_bytes: int | None
+    peak_bytes: int | None  # what the compiled step allocates (MemoryStats.allocated)
     temp_bytes: int | None
     collectives: dict[str, dict[str, int]]  # kind -> {"count", "bytes"}
     collective_bytes: int
@@ -253,7 +253,7 @@ def measure(
         mesh_sizes=dict(program.mesh.shape),
         param_bytes=state_bytes(program.abstract_state["params"], program.param_shardings),
         state_bytes=state_bytes(program.abstract_state, program.state_shardings),
-        peak_bytes=None if m is None else (m.peak or m.argument + m.output + m.temp - m.alias),
+        peak_bytes=None if m is None else m.allocated,
         temp_bytes=None if m is None else m.temp,
         collectives={k: {"count": s.count, "bytes": s.bytes} for k, s in summary.items()},
         collective_bytes=report.collective_bytes(),

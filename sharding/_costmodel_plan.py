@@ -262,7 +262,7 @@ def compile_candidate(candidate: Candidate, cfg: Any) -> Candidate:
     )
     report = program.report()
     if report.memory is not None:
-        candidate.compiled_memory = report.memory.argument + report.memory.temp
+        candidate.compiled_memory = report.memory.allocated
     candidate.compile_time_s = report.compile_time_s
     return candidate
 

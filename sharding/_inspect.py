@@ -55,6 +55,16 @@ class MemoryStats:
     generated_code: int
     peak: int | None
 
+    @property
+    def allocated(self) -> int:
+        """Bytes the executable needs per device: arguments, outputs not aliased to them, and
+        the temporary buffer (already packed by XLA's buffer assignment).
+
+        Use this, not ``peak``, to ask whether a program fits: XLA:CPU's ``peak`` counts little
+        more than the arguments and leaves the temporaries out.
+        """
+        return self.argument + self.output - self.alias + self.temp
+
 
 @dataclass
 class ProgramReport:

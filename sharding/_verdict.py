@@ -42,7 +42,7 @@ def comparison_table(
     """One row per candidate: what is split, what moves, memory, speed, utilisation, bubble."""
     table = Table(title="strategies measured (per device, per step)", title_justify="left")
     cols = ["strategy / mesh", "splits", "communicates", "bytes/step", "train state",
-            "peak mem", "step", "tokens/s", "MFU", "bubble", "compile", "loss@1"]  # fmt: skip
+            "memory", "step", "tokens/s", "MFU", "bubble", "compile", "loss@1"]  # fmt: skip
     if memory_budget is not None:
         cols.insert(6, "fits")
     for c in cols:
@@ -73,7 +73,8 @@ def comparison_table(
         table.add_row(*row, style=style)
     table.caption = (
         "train state = params + optimizer state on one device (x: of the unsplit model's "
-        f"{fmt_bytes(unsplit_state)}); peak mem = compiled peak; AR all-reduce, AG all-gather, "
+        f"{fmt_bytes(unsplit_state)}); memory = what the compiled step allocates per device "
+        "(arguments, outputs, temporaries); AR all-reduce, AG all-gather, "
         "RS reduce-scatter, CP collective-permute; loss@1 equal across rows = same numbers"
     )
     table.caption_justify = "left"
@@ -120,12 +121,13 @@ def recommend(
             f"Next: {runner.candidate.label} ({ms(runner)}, "
             f"{runner.step_time_s / best.step_time_s - 1:+.0%})."
         )
-    lean = min(fits, key=lambda r: (r.state_bytes, r.step_time_s))
+    lean = min(fits, key=lambda r: (r.peak_bytes or r.state_bytes, r.step_time_s))
     if lean is not best:
         lines.append(
-            f"If memory per device is what binds: {lean.candidate.label} holds the least "
-            f"({fmt_bytes(lean.state_bytes)}, {lean.state_bytes / unsplit_state:.2f}x) "
-            f"at {ms(lean)} per step ({lean.step_time_s / best.step_time_s - 1:+.0%})."
+            f"If memory per device is what binds: {lean.candidate.label} needs the least "
+            f"({fmt_bytes(lean.peak_bytes or lean.state_bytes)} per device, train state "
+            f"{fmt_bytes(lean.state_bytes)} = {lean.state_bytes / unsplit_state:.2f}x) at "
+            f"{ms(lean)} per step ({lean.step_time_s / best.step_time_s - 1:+.0%})."
         )
     quiet = min(fits, key=lambda r: r.collective_bytes)
     loud = max(fits, key=lambda r: r.collective_bytes)

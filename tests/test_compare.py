@@ -68,7 +68,7 @@ def test_recommends_the_fastest_that_fits_and_names_the_leanest():
                result("pp", 0.11, 900, 1000, 20)]  # fmt: skip
     free = recommend(results, 3000)
     assert free.best.candidate.strategy == "dp"
-    assert any("fsdp holds the least" in line for line in free.lines)
+    assert any("fsdp needs the least" in line for line in free.lines)
     tight = recommend(results, 3000, memory_budget=1000)
     assert tight.best.candidate.strategy == "pp"
     assert any("data parallelism alone cannot hold this model" in line for line in tight.lines)
@@ -113,10 +113,10 @@ def test_compare_unknown_peak_device_kind_message():
 def test_compare_memory_budget_picks_what_fits(tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["compare", "--strategies", "dp,fsdp", "--batch", "16", "--seq", "32", "--steps", "1",
-            "--warmup", "0", "--memory", "1MiB", "--peak-tflops", "1", "--out", str(out)]  # fmt: skip
+            "--warmup", "0", "--memory", "4MiB", "--peak-tflops", "1", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "data parallelism alone cannot hold this model" in text
     record = json.loads((out / "compare.json").read_text())
-    assert record["recommendation"]["strategy"] == "fsdp"  # dp's 2 MiB of state does not fit
+    assert record["recommendation"]["strategy"] == "fsdp"  # dp needs 5.3 MiB, fsdp 2.9 MiB
     assert record["peak"]["source"] == "given" and record["peak"]["per_device"] == 1e12

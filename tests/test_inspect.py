@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
-from sharding import make_mesh
+from sharding import MemoryStats, make_mesh
 from sharding._inspect import (
     CollectiveSummary,
     ProgramReport,
@@ -276,3 +276,12 @@ ENTRY %main (x: f32[8]) -> (f32[8], f32[8], f32[8]) {
     assert (permute.computation, permute.multiplicity, permute.exact) == ("unknown", 1, False)
     report = ProgramReport(collectives=[reduce, permute])
     assert report.collective_bytes() == 3 * 5 * 8 * F32 + 8 * F32
+
+
+def test_allocated_memory_counts_the_temporaries_that_cpu_peak_leaves_out():
+    cpu = MemoryStats(argument=10, output=8, temp=100, alias=8, generated_code=0, peak=11)
+    assert cpu.allocated == 110  # arguments + outputs not aliased to them + temporaries
+    donated_less = MemoryStats(
+        argument=10, output=8, temp=100, alias=0, generated_code=0, peak=None
+    )
+    assert donated_less.allocated == 118
