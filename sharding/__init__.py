@@ -30,8 +30,6 @@ from sharding._costmodel_plan import candidates as plan_candidates
 from sharding._data import (
     BYTE_VOCAB,
     ArithmeticText,
-    Batcher,
-    BatchNotDivisibleError,
     DataError,
     DataFileNotFoundError,
     TokenFile,
@@ -42,15 +40,13 @@ from sharding._data import (
     dataset_from_arg,
     decode,
     encode,
-    global_batch_rows,
-    make_global_batch,
+    process_batch,
 )
 from sharding._distributed import (
     DistributedConfigError,
     DistributedInitError,
     ProcessGroup,
     init_from_args,
-    process_batch,
     resolve_process_group,
 )
 from sharding._explain import Explanation, explain
@@ -130,10 +126,8 @@ __all__ = [
     "AccumulationError",
     "Action",
     "ArithmeticText",
-    "BatchNotDivisibleError",
     "BatchPlan",
     "BatchShardingError",
-    "Batcher",
     "CheckpointError",
     "CheckpointMeta",
     "CheckpointMismatchError",
@@ -209,11 +203,9 @@ __all__ = [
     "flatten_state",
     "fmt_bytes",
     "fmt_count",
-    "global_batch_rows",
     "init_from_args",
     "init_sharded",
     "inspect_compiled",
-    "make_global_batch",
     "make_mesh",
     "make_schedule",
     "mesh_sizes",

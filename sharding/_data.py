@@ -12,15 +12,15 @@ A dataset is anything with ``vocab_size``, ``check(seq_len)`` and
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
-from jax import sharding as jshard
 
 BYTE_VOCAB = 256
 _SUFFIX_DTYPES = {".u16": np.dtype("<u2"), ".bin": np.dtype("<u2"), ".u32": np.dtype("<u4")}
@@ -49,10 +49,6 @@ class TokenOutOfRangeError(DataError):
 
 class VocabTooSmallError(DataError):
     """The model's vocabulary cannot hold the dataset's tokens."""
-
-
-class BatchNotDivisibleError(DataError):
-    """The global batch does not split evenly over processes."""
 
 
 def _check_counts(step: int, n_rows: int, seq_len: int) -> None:
@@ -273,95 +269,49 @@ class TokenFile:
         return self.rows(step, 0, batch_size, seq_len)
 
 
-def global_batch_rows(global_batch: int, process_index: int, process_count: int) -> slice:
-    """The contiguous rows of the global batch that process ``process_index`` loads.
+def process_batch(
+    dataset, step: int, global_batch: int, seq_len: int, shardings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Step ``step``'s global ``{"inputs", "targets"}`` batch, loading only this process's rows.
+
+    The rows come from what this process's devices hold under ``shardings`` (``[global_batch,
+    seq_len]`` each), so any layout works: a batch split over processes loads a slice, a batch
+    replicated over processes (e.g. processes split along ``tensor``) loads all of it. ``dataset``
+    is any dataset of this module.
 
     Example:
-        >>> global_batch_rows(global_batch=8, process_index=1, process_count=2)
-        slice(4, 8, None)
-    """
-    if not 0 <= process_index < process_count:
-        raise DataError(
-            f"process_index={process_index} is outside 0..{process_count - 1} "
-            f"(process_count={process_count})"
-        )
-    if global_batch < 1 or global_batch % process_count:
-        lower = global_batch // process_count * process_count
-        raise BatchNotDivisibleError(
-            f"global batch {global_batch} does not split evenly over process_count="
-            f"{process_count} processes; use a multiple of {process_count}, e.g. "
-            f"{max(lower, process_count)} or {lower + process_count}"
-        )
-    per = global_batch // process_count
-    return slice(process_index * per, (process_index + 1) * per)
-
-
-@dataclass(frozen=True)
-class Batcher:
-    """This process's rows of each step's global batch, as ``{"inputs", "targets"}`` int32 arrays.
-
-    Checks divisibility and the sequence length at construction, before anything compiles.
-    Process index and count default to JAX's.
-
-    Example:
-        >>> batcher = Batcher(ArithmeticText(), global_batch=8, seq_len=16)
-        >>> b = batcher(step=3)
-        >>> b["inputs"].shape, bool((b["inputs"][:, 1:] == b["targets"][:, :-1]).all())
-        ((8, 16), True)
-    """
-
-    dataset: ArithmeticText | TokenFile
-    global_batch: int
-    seq_len: int
-    process_index: int | None = None
-    process_count: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.process_count is None:
-            object.__setattr__(self, "process_count", jax.process_count())
-        if self.process_index is None:
-            object.__setattr__(self, "process_index", jax.process_index())
-        global_batch_rows(self.global_batch, self.process_index, self.process_count)
-        self.dataset.check(self.seq_len)
-
-    @property
-    def local_rows(self) -> slice:
-        """The slice of global-batch rows this process loads."""
-        return global_batch_rows(self.global_batch, self.process_index, self.process_count)
-
-    def __call__(self, step: int) -> dict[str, np.ndarray]:
-        sl = self.local_rows
-        window = self.dataset.rows(step, sl.start, sl.stop, self.seq_len)
-        return {"inputs": window[:, :-1], "targets": window[:, 1:]}
-
-
-def make_global_batch(
-    local: Mapping[str, np.ndarray],
-    sharding_by_key: jshard.Sharding | Mapping[str, jshard.Sharding],
-) -> dict[str, jax.Array]:
-    """Global `jax.Array`s from every process's local rows (one sharding for all keys, or per key).
-
-    Each process passes the rows `Batcher` gave it; the global batch is their concatenation in
-    process order. Works unchanged on one process.
-
-    Example:
+        >>> import jax
+        >>> from jax import sharding as jshard
+        >>> from sharding._data import ArithmeticText
         >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jshard.AxisType.Auto,))
         >>> s = jshard.NamedSharding(mesh, jshard.PartitionSpec("data"))
-        >>> local = Batcher(ArithmeticText(), global_batch=2, seq_len=4)(step=0)
-        >>> make_global_batch(local, s)["inputs"].shape
+        >>> process_batch(ArithmeticText(), 0, 2, 4, {"inputs": s, "targets": s})["inputs"].shape
         (2, 4)
     """
-    if isinstance(sharding_by_key, jshard.Sharding):
-        sharding_by_key = dict.fromkeys(local, sharding_by_key)
-    missing = sorted(set(local) - set(sharding_by_key))
-    if missing:
-        raise DataError(
-            f"make_global_batch: no sharding for batch keys {missing} (shardings given for "
-            f"{sorted(sharding_by_key)}); pass one sharding for all keys or one per key"
-        )
+    shape = (global_batch, seq_len)
+    spans = [
+        idx[0].indices(global_batch)[:2]
+        for s in shardings.values()
+        for idx in s.addressable_devices_indices_map(shape).values()
+    ]
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    window = dataset.rows(step, lo, hi, seq_len)
+    local = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+    def shard(key: str, idx: tuple) -> np.ndarray:
+        start, stop = idx[0].indices(global_batch)[:2]
+        return local[key][start - lo : stop - lo][(slice(None), *idx[1:])]
+
     return {
-        k: jax.make_array_from_process_local_data(sharding_by_key[k], v) for k, v in local.items()
+        k: jax.make_array_from_callback(shape, s, functools.partial(shard, k))
+        for k, s in shardings.items()
     }
+
+
+_HOOKED = False
+# Fragments of the runtime's errors when a peer vanished mid-collective or from the service.
+_PEER_LOST = ("gloo", "connection closed", "connection reset", "heartbeat", "unavailable",
+              "coordination service", "socket closed", "broken pipe")  # fmt: skip
 
 
 def dataset_from_arg(

@@ -20,14 +20,10 @@ waiting in a collective forever.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 HEARTBEAT_TIMEOUT_S = 10
 INIT_TIMEOUT_S = 120
@@ -234,47 +230,6 @@ def init_from_args(args: argparse.Namespace) -> ProcessGroup | None:
     if group.process_id != 0 and getattr(args, "metrics", None) is not None:
         args.metrics = None
     return group
-
-
-def process_batch(
-    dataset, step: int, global_batch: int, seq_len: int, shardings: Mapping[str, Any]
-) -> dict[str, Any]:
-    """Step ``step``'s global ``{"inputs", "targets"}`` batch, loading only this process's rows.
-
-    The rows come from what this process's devices hold under ``shardings`` (``[global_batch,
-    seq_len]`` each), so any layout works: a batch split over processes loads a slice, a batch
-    replicated over processes (e.g. processes split along ``tensor``) loads all of it. ``dataset``
-    is any ``rows(step, start, stop, seq_len)`` dataset of `sharding._data`.
-
-    Example:
-        >>> import jax
-        >>> from jax import sharding as jshard
-        >>> from sharding._data import ArithmeticText
-        >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jshard.AxisType.Auto,))
-        >>> s = jshard.NamedSharding(mesh, jshard.PartitionSpec("data"))
-        >>> process_batch(ArithmeticText(), 0, 2, 4, {"inputs": s, "targets": s})["inputs"].shape
-        (2, 4)
-    """
-    import jax
-
-    shape = (global_batch, seq_len)
-    spans = [
-        idx[0].indices(global_batch)[:2]
-        for s in shardings.values()
-        for idx in s.addressable_devices_indices_map(shape).values()
-    ]
-    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-    window = dataset.rows(step, lo, hi, seq_len)
-    local = {"inputs": window[:, :-1], "targets": window[:, 1:]}
-
-    def shard(key: str, idx: tuple) -> np.ndarray:
-        start, stop = idx[0].indices(global_batch)[:2]
-        return local[key][start - lo : stop - lo][(slice(None), *idx[1:])]
-
-    return {
-        k: jax.make_array_from_callback(shape, s, functools.partial(shard, k))
-        for k, s in shardings.items()
-    }
 
 
 _HOOKED = False

@@ -11,8 +11,6 @@ from jax import sharding as jshard
 
 from sharding._data import (
     ArithmeticText,
-    Batcher,
-    BatchNotDivisibleError,
     DataError,
     DataFileNotFoundError,
     TokenFile,
@@ -23,8 +21,7 @@ from sharding._data import (
     dataset_from_arg,
     decode,
     encode,
-    global_batch_rows,
-    make_global_batch,
+    process_batch,
 )
 
 LINE = re.compile(r"^(\d+) ([-+*]) (\d+) = (-?\d+)$")
@@ -213,57 +210,24 @@ def test_bad_batch_arguments(step, rows, seq_len, bad):
 # Process-local rows and global arrays.
 
 
-def test_global_batch_rows():
-    assert global_batch_rows(8, 0, 1) == slice(0, 8)
-    assert [global_batch_rows(12, i, 3) for i in range(3)] == [
-        slice(0, 4),
-        slice(4, 8),
-        slice(8, 12),
-    ]
-    with pytest.raises(BatchNotDivisibleError, match=r"global batch 6 .*process_count=4.* 4 or 8"):
-        global_batch_rows(6, 0, 4)
-    with pytest.raises(DataError, match=r"process_index=2 is outside 0\.\.1"):
-        global_batch_rows(8, 2, 2)
-
-
 @pytest.mark.parametrize("kind", ["arithmetic", "file"])
-def test_process_rows_concatenate_to_the_global_batch(tmp_path, kind):
+@pytest.mark.parametrize(
+    "spec", [jshard.PartitionSpec(("data", "fsdp")), jshard.PartitionSpec()], ids=["split", "rep"]
+)
+def test_process_batch_is_the_global_batch(tmp_path, kind, spec):
+    """Each device's rows of step 5, loaded from its own slice, form exactly `dataset.batch`."""
     if kind == "file":
         data = TokenFile(token_file(tmp_path, np.arange(3000) % 777), vocab_size=777)
     else:
-        data = ArithmeticText(seed=5)
-    whole = Batcher(data, global_batch=8, seq_len=24)(step=3)
-    parts = [Batcher(data, 8, 24, process_index=i, process_count=2)(3) for i in range(2)]
-    for key in ("inputs", "targets"):
-        assert whole[key].shape == (8, 24) and whole[key].dtype == np.int32
-        np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])
-    np.testing.assert_array_equal(whole["inputs"][:, 1:], whole["targets"][:, :-1])
-    np.testing.assert_array_equal(whole["inputs"], data.batch(3, 8, 24)[:, :-1])
-
-
-def test_batcher_checks_at_construction(tmp_path):
-    short = TokenFile(token_file(tmp_path, np.arange(10)))
-    with pytest.raises(TokenFileTooShortError, match="seq_len=16"):
-        Batcher(short, global_batch=4, seq_len=16)
-    with pytest.raises(BatchNotDivisibleError, match=r"global batch 6 .*process_count=4"):
-        Batcher(ArithmeticText(), global_batch=6, seq_len=8, process_index=0, process_count=4)
-    b = Batcher(ArithmeticText(), global_batch=4, seq_len=8)
-    assert (b.process_index, b.process_count) == (jax.process_index(), jax.process_count())
-
-
-def test_make_global_batch_on_an_8_device_mesh():
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jshard.AxisType.Auto,))
-    s = jshard.NamedSharding(mesh, jshard.PartitionSpec("data"))
-    local = Batcher(ArithmeticText(), global_batch=16, seq_len=12)(step=2)
-    for shardings in (s, {"inputs": s, "targets": s}):
-        out = make_global_batch(local, shardings)
-        assert set(out) == {"inputs", "targets"}
-        for key, arr in out.items():
-            assert isinstance(arr, jax.Array) and arr.sharding == s
-            assert [x.data.shape for x in arr.addressable_shards] == [(2, 12)] * 8
-            np.testing.assert_array_equal(np.asarray(arr), local[key])
-    with pytest.raises(DataError, match=r"no sharding for batch keys \['targets'\]"):
-        make_global_batch(local, {"inputs": s})
+        data = ArithmeticText(seed=3)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                         axis_types=(jshard.AxisType.Auto,) * 3)  # fmt: skip
+    s = jshard.NamedSharding(mesh, spec)
+    got = process_batch(data, 5, 8, 16, {"inputs": s, "targets": s})
+    want = data.batch(5, 8, 16)
+    for key, cols in (("inputs", slice(None, -1)), ("targets", slice(1, None))):
+        assert got[key].sharding == s and got[key].dtype == np.int32
+        np.testing.assert_array_equal(np.asarray(got[key]), want[:, cols])
 
 
 # The --data argument.

@@ -13,18 +13,14 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
-from jax import sharding as jshard
 
-from sharding._data import ArithmeticText
 from sharding._distributed import (
     DistributedConfigError,
     ProcessGroup,
     devices_per_process,
     init_from_args,
-    process_batch,
     resolve_process_group,
 )
 from sharding.cli import main, train
@@ -131,22 +127,6 @@ def test_heartbeat_timeout_must_be_positive():
                          "--process-id", "0", "--mesh", MESH, "--heartbeat-timeout", "0"])  # fmt: skip
     with pytest.raises(DistributedConfigError, match=r"--heartbeat-timeout 0 must be >= 1"):
         init_from_args(args)
-
-
-# ---------------------------------------------------------------- the per-process batch
-
-
-@pytest.mark.parametrize("spec", [jshard.PartitionSpec(("data", "fsdp")), jshard.PartitionSpec()])
-def test_process_batch_is_the_global_batch(spec):
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
-                         axis_types=(jshard.AxisType.Auto,) * 3)  # fmt: skip
-    s = jshard.NamedSharding(mesh, spec)
-    data = ArithmeticText(seed=3)
-    got = process_batch(data, 5, 8, 16, {"inputs": s, "targets": s})
-    want = data.batch(5, 8, 16)
-    np.testing.assert_array_equal(np.asarray(got["inputs"]), want[:, :-1])
-    np.testing.assert_array_equal(np.asarray(got["targets"]), want[:, 1:])
-    assert got["inputs"].sharding == s
 
 
 # ---------------------------------------------------------------- the launcher

@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from sharding._distributed import add_distributed_args, init_from_args, process_batch
+from sharding._distributed import add_distributed_args, init_from_args
 from sharding.cli._common import (
     add_model_args,
     add_pipeline_args,
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything below imports JAX; the device count is fixed by now.
     import models
-    from sharding._data import dataset_from_arg
+    from sharding._data import dataset_from_arg, process_batch
     from sharding._mesh import make_mesh
     from sharding.cli._summary import program_summary
 
