@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     with out.status(f"compiling {args.model} {args.size} / {args.strategy} on {spec} ..."):
         program.compiled  # noqa: B018  (compile once, ahead of the loop, and time it)
     metrics_file = args.metrics.open("w") if args.metrics else None
+    save_meta = run_meta(args, cfg, spec) if checkpoints else None
     tokens_per_step = args.batch * args.seq
     history = []
     try:
@@ -145,9 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 if checkpoints and (checkpoints.should_save(step + 1) or step + 1 == args.steps):
                     # Asynchronous: returns once the arrays are copied; the next step may
                     # donate them. A resumed run replaces the steps it replays.
-                    checkpoints.save(
-                        step + 1, state, run_meta(args, cfg, spec), overwrite=resume is not None
-                    )
+                    checkpoints.save(step + 1, state, save_meta, overwrite=resume is not None)
                 progress.update(
                     task, advance=1, loss=loss, tps=record["tokens_per_s"], ms=elapsed * 1e3
                 )
