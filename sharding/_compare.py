@@ -1,8 +1,8 @@
 """Measure every strategy on one model and mesh size: the numbers behind `spmdkit compare`.
 
 `candidates` lists what to try (each strategy on a mesh shape that suits it, pipelines under
-each schedule), `measure` compiles one and times its steps, `model_flops` counts the useful
-matmul FLOPs of a step once, on one device, as the numerator of MFU for every candidate alike.
+each schedule), `measure` compiles one and times its steps, `reference` compiles the unsplit
+step once, on one device: its matmul FLOPs are the numerator of MFU for every candidate alike.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
     "Skipped",
     "candidates",
     "measure",
-    "model_flops",
+    "reference",
     "state_bytes",
 ]
 
@@ -212,11 +212,14 @@ def build(cand: Candidate, family: Any, cfg: Any, conf: CompareConfig, devices: 
     )
 
 
-def model_flops(family: Any, cfg: Any, conf: CompareConfig) -> float:
-    """Matmul FLOPs of one training step of the unsplit model (forward and backward, no
-    recompute): the same useful work every candidate does, counted from a one-device compile."""
+def reference(family: Any, cfg: Any, conf: CompareConfig) -> tuple[float, int]:
+    """The unsplit step, compiled for one device: ``(matmul FLOPs, train-state bytes)``.
+
+    The FLOPs (forward and backward, no recompute) are the useful work every candidate does, the
+    numerator of MFU for all alike; the bytes are what one device would hold without any split.
+    """
     program = build(Candidate("dp", "data=1"), family, cfg, conf, jax.devices()[:1])
-    return program.report().matmul_flops
+    return program.report().matmul_flops, state_bytes(program.abstract_state)
 
 
 def measure(

@@ -49,12 +49,9 @@ def run(args: argparse.Namespace) -> int:
     setup_devices(args.mesh, args.devices)
 
     import jax
-    import optax
 
     import models
-    from sharding._compare import CompareConfig, Skipped, candidates, measure, model_flops
-    from sharding._compare import state_bytes as tree_bytes
-    from sharding._init import abstract_params
+    from sharding._compare import CompareConfig, Skipped, candidates, measure, reference
     from sharding._roofline import host_peak
     from sharding._verdict import comparison_table, recommend
 
@@ -65,21 +62,15 @@ def run(args: argparse.Namespace) -> int:
                          args.warmup)  # fmt: skip
     fam.batch_shapes(cfg, conf.batch, conf.seq)  # checks seq against the model first
     strategies = tuple(args.strategies.split(",")) if args.strategies else None
-    n_layers = cfg.n_layers
-    todo = candidates(n_layers, jax.device_count(), strategies=strategies, mesh=args.mesh)
+    todo = candidates(cfg.n_layers, jax.device_count(), strategies=strategies, mesh=args.mesh)
     devices = jax.devices()
     simulated = devices[0].platform == "cpu"
     peak = host_peak(devices, dtype=args.dtype, tflops=args.peak_tflops)
-    _, abstract = abstract_params(lambda: fam.Model(cfg, rngs=_rngs()))
-    # The unsplit train state, as one device would hold it: params, AdamW state, step.
-    opt_state = jax.eval_shape(optax.adamw(conf.lr).init, abstract)
-    unsplit = tree_bytes((abstract, opt_state, jax.ShapeDtypeStruct((), "int32")))
-
     started = time.perf_counter()
     results, skipped = [], []
     with _progress(out) as progress:
-        flops_task = progress.add_task("model FLOPs (1 device)", total=1)
-        useful = model_flops(fam, cfg, conf)
+        flops_task = progress.add_task("unsplit step (1 device)", total=1)
+        useful, unsplit = reference(fam, cfg, conf)
         progress.update(flops_task, advance=1)
         placed: set[str] = set()
         for cand in todo:
@@ -144,12 +135,6 @@ def run(args: argparse.Namespace) -> int:
     plot(results, args.out / "compare.png", title=f"{args.model} {args.size}")
     out.print(f"wrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")
     return 0
-
-
-def _rngs():
-    from flax import nnx
-
-    return nnx.Rngs(0)
 
 
 def _progress(out):
