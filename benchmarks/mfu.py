@@ -68,8 +68,7 @@ def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[st
     import jax
     import optax
 
-    from sharding._compare import state_bytes
-    from sharding._init import abstract_params
+    from sharding._init import abstract_params, state_bytes
 
     cfg = fam.config(size)
     row: dict[str, Any] = {"size": size, "params": fam.param_count(cfg), "state_bytes": None,

@@ -64,7 +64,7 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
 
     import models
     from partition_rules import preset
-    from sharding._compare import state_bytes
+    from sharding._init import state_bytes
     from sharding._mesh import MeshSpec
     from sharding._pipeline import PipelineSpec
     from sharding._step import compile_train_step

@@ -51,7 +51,7 @@ from sharding._distributed import (
 )
 from sharding._explain import Explanation, explain
 from sharding._hlo import FlopCount, count_flops
-from sharding._init import abstract_params, init_sharded
+from sharding._init import abstract_params, init_sharded, state_bytes
 from sharding._inspect import (
     COLLECTIVE_KINDS,
     CollectiveOp,
@@ -226,5 +226,6 @@ __all__ = [
     "simulate_cpu_devices",
     "stack_flop_overhead",
     "stage_report",
+    "state_bytes",
     "summarize",
 ]

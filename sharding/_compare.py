@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES, preset
+from sharding._init import state_bytes
 from sharding._mesh import MeshSpec
 from sharding._pipeline import PipelineSpec
 from sharding._roofline import Peak, mfu
@@ -30,7 +30,6 @@ __all__ = [
     "candidates",
     "measure",
     "reference",
-    "state_bytes",
 ]
 
 # Default order of the comparison: the guides' three families, then their hybrids.
@@ -182,17 +181,6 @@ def _shapes(name: str, n: int) -> list[str]:
         "pp_fsdp": [f"stage=2,fsdp={half}"] if n >= 4 and n % 2 == 0 else [],
     }
     return table[name]
-
-
-def state_bytes(abstract: Any, shardings: Any | None = None) -> int:
-    """Bytes of one device's shards of an abstract tree (the whole tree without shardings)."""
-    leaves = jax.tree.leaves(abstract)
-    if shardings is None:
-        return sum(x.size * x.dtype.itemsize for x in leaves)
-    return sum(
-        int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-        for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
-    )
 
 
 def build(cand: Candidate, family: Any, cfg: Any, conf: CompareConfig, devices: list) -> Any:

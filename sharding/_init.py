@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax import sharding as jshard
 
@@ -51,3 +52,14 @@ def init_sharded(
 
     params = jax.jit(lambda: _split_params(make_model())[1], out_shardings=shardings)()
     return graphdef, params, shardings
+
+
+def state_bytes(abstract: Any, shardings: Any | None = None) -> int:
+    """Bytes of one device's shards of an abstract tree (the whole tree without shardings)."""
+    leaves = jax.tree.leaves(abstract)
+    if shardings is None:
+        return sum(x.size * x.dtype.itemsize for x in leaves)
+    return sum(
+        int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+        for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)
+    )

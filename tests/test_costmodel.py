@@ -20,9 +20,9 @@ from partition_rules import preset
 from partition_rules.strategies import EXAMPLE_MESHES_8
 from sharding import MeshSpec, RuleError, make_mesh
 from sharding._costmodel import CostModelError, predict
+from sharding._init import state_bytes
 from sharding._pipeline import PipelineConfigError, PipelineSpec
 from sharding._step import compile_train_step
-from sharding.cli._summary import state_bytes_per_device
 
 BATCH, SEQ, MICROBATCHES = 16, 32, 4
 CASES = [
@@ -89,8 +89,8 @@ def test_param_and_optimizer_memory_per_device_match(family, strategy, schedule)
     prog, report = measured(family, strategy, schedule)
     pred = predicted(family, strategy, schedule)
     state, shardings = prog.abstract_state, prog.state_shardings
-    params = state_bytes_per_device(state["params"], shardings["params"])
-    opt = state_bytes_per_device(state["opt_state"], shardings["opt_state"])
+    params = state_bytes(state["params"], shardings["params"])
+    opt = state_bytes(state["opt_state"], shardings["opt_state"])
     assert pred.param_bytes == pytest.approx(params, rel=0.05)
     assert pred.optimizer_bytes == pytest.approx(opt, rel=0.05)
     assert pred.grad_bytes == pred.param_bytes

@@ -13,9 +13,9 @@ import pytest
 from models import llama
 from partition_rules import preset
 from sharding import make_mesh
+from sharding._init import state_bytes
 from sharding._inspect import inspect_compiled
 from sharding._step import compile_train_step
-from sharding.cli._summary import state_bytes_per_device
 
 CFG = llama.config("tiny")
 BATCH, SEQ = 8, 32
@@ -57,9 +57,9 @@ def test_data_parallel_all_reduces_every_gradient_byte_once():
 
 def test_fsdp_shards_params_and_adam_state_evenly():
     prog = program("fsdp", "fsdp=8", "adamw")
-    params = state_bytes_per_device(prog.abstract_state["params"], prog.param_shardings)
+    params = state_bytes(prog.abstract_state["params"], prog.param_shardings)
     assert params == pytest.approx(param_bytes() / 8, rel=0.01)
-    state = state_bytes_per_device(prog.abstract_state, prog.state_shardings)
+    state = state_bytes(prog.abstract_state, prog.state_shardings)
     scalars = 2 * 4  # the step counter and Adam's count stay whole on every device
     assert state - scalars == pytest.approx(3 * param_bytes() / 8, rel=0.01)
 

@@ -10,19 +10,8 @@ from rich.console import Group
 from rich.table import Table
 
 from partition_rules.strategies import DESCRIPTIONS
+from sharding._init import state_bytes
 from sharding._units import fmt_bytes, fmt_count
-
-
-def state_bytes_per_device(state_shapes: Any, shardings: Any) -> int:
-    """Bytes of one device's shards of a tree of ShapeDtypeStructs under `shardings`."""
-    total = 0
-    for leaf, s in zip(jax.tree.leaves(state_shapes), jax.tree.leaves(shardings), strict=True):
-        shard = s.shard_shape(leaf.shape)
-        n = 1
-        for d in shard:
-            n *= d
-        total += n * leaf.dtype.itemsize
-    return total
 
 
 def program_summary(args: Any, spec: Any, program: Any, history: list[dict]) -> Group:
@@ -37,11 +26,11 @@ def program_summary(args: Any, spec: Any, program: Any, history: list[dict]) -> 
     grid.add_row("model", f"{args.model} {args.size}, {fmt_count(n_params)} parameters")
     grid.add_row(
         "params / device",
-        fmt_bytes(state_bytes_per_device(params, program.param_shardings)),
+        fmt_bytes(state_bytes(params, program.param_shardings)),
     )
     grid.add_row(
         "train state / device",
-        fmt_bytes(state_bytes_per_device(program.abstract_state, program.state_shardings)),
+        fmt_bytes(state_bytes(program.abstract_state, program.state_shardings)),
     )
     if report.memory is not None:
         m = report.memory
