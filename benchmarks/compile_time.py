@@ -17,27 +17,16 @@ from benchmarks._common import out_dir, parser, setup, write_json
 def compile_seconds(strategy: str, mesh_spec: str, *, layers: int, batch: int, seq: int,
                     schedule: str | None = None, microbatches: int = 0, repeats: int = 2) -> float:  # fmt: skip
     """Best wall time over ``repeats`` fresh compiles of the train step."""
-    import optax
-
     import models
-    from partition_rules import preset
-    from sharding._mesh import make_mesh
-    from sharding._pipeline import PipelineSpec
-    from sharding._step import compile_train_step
+    from sharding._compare import Candidate, CompareConfig, build
 
     fam = models.get_family("llama")
     cfg = fam.config("tiny", n_layers=layers)
-    pipeline = None
-    if schedule:
-        pipeline = PipelineSpec(schedule, microbatches, input_key=fam.INPUT,
-                                loss_from_logits=fam.loss_from_logits)  # fmt: skip
+    cand = Candidate(strategy, mesh_spec, schedule, microbatches or None)
     best = float("inf")
     for _ in range(repeats):
-        program = compile_train_step(  # new closures every time: no in-memory cache hit
-            lambda r: fam.Model(cfg, rngs=r), fam.loss, optax.adamw(1e-3),
-            *preset("llama", strategy), make_mesh(mesh_spec), fam.batch_shapes(cfg, batch, seq),
-            pipeline=pipeline,
-        )  # fmt: skip
+        # A new program (new closures) every time: no in-memory cache hit.
+        program = build(cand, fam, cfg, CompareConfig(batch=batch, seq=seq))
         program.compiled  # noqa: B018 - compiles and records compile_time_s
         best = min(best, program.compile_time_s)
     return best

@@ -50,25 +50,16 @@ def train_flops_6nd(n_params: int, tokens: int) -> float:
 
 
 def _build(fam: Any, cfg: Any, args: Any, device: Any, remat: str) -> Any:
-    import optax
+    """The one-device dp program (built, not compiled: its abstract state is sized first)."""
+    from sharding._compare import Candidate, CompareConfig, build
 
-    from partition_rules import preset
-    from sharding._mesh import MeshSpec
-    from sharding._step import compile_train_step
-
-    return compile_train_step(
-        lambda rngs: fam.Model(cfg, rngs=rngs), fam.loss, optax.adamw(1e-4),
-        *preset("llama", "dp"), MeshSpec.of("data=1").build([device]),
-        fam.batch_shapes(cfg, args.batch, args.seq), compute_dtype=args.dtype, remat=remat,
-    )  # fmt: skip
+    conf = CompareConfig(batch=args.batch, seq=args.seq, dtype=args.dtype, lr=1e-4, remat=remat)
+    return build(Candidate("dp", "data=1"), fam, cfg, conf, [device])
 
 
 def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[str, Any]:
     """Whether ``size`` fits ``limit`` bytes on one device, and the compiled program if it does."""
-    import jax
-    import optax
-
-    from sharding._init import abstract_params, state_bytes
+    from sharding._init import state_bytes
 
     cfg = fam.config(size)
     row: dict[str, Any] = {"size": size, "params": fam.param_count(cfg), "state_bytes": None,
@@ -76,13 +67,11 @@ def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[st
     if args.seq > cfg.max_seq_len:
         row["reason"] = f"seq {args.seq} > max_seq_len {cfg.max_seq_len}"
         return row
-    _, params = abstract_params(lambda: fam.Model(cfg, rngs=_rngs()))
-    opt = jax.eval_shape(optax.adamw(1e-4).init, params)
-    row["state_bytes"] = state_bytes((params, opt))
+    program = _build(fam, cfg, args, device, args.remat)
+    row["state_bytes"] = state_bytes(program.abstract_state)
     if row["state_bytes"] > limit:
         row["reason"] = "train state alone exceeds the memory (not compiled)"
         return row
-    program = _build(fam, cfg, args, device, args.remat)
     start = time.perf_counter()
     report = program.report()
     row["compile_time_s"] = time.perf_counter() - start
@@ -91,12 +80,6 @@ def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[st
     row["reason"] = "fits" if row["fits"] else "compiled peak exceeds the memory"
     row["program"], row["report"], row["cfg"] = program, report, cfg
     return row
-
-
-def _rngs() -> Any:
-    from flax import nnx
-
-    return nnx.Rngs(0)
 
 
 def memory_limit(device: Any, memory_arg: str | None) -> tuple[int, str]:

@@ -65,18 +65,15 @@ def measure(strategy: str, mesh_spec: str, args) -> dict:
     import optax
 
     import models
-    from partition_rules import preset
+    from sharding._compare import Candidate, CompareConfig, build
     from sharding._inspect import compile_and_inspect
-    from sharding._mesh import make_mesh
-    from sharding._step import compile_train_step
 
     fam = models.get_family("llama")
     cfg = fam.config(args.size)
-    mesh = make_mesh(mesh_spec)
-    shapes = fam.batch_shapes(cfg, args.batch, args.seq)
-    optimizer = optax.adamw(1e-3)
-    program = compile_train_step(lambda r: fam.Model(cfg, rngs=r), fam.loss, optimizer,
-                                 *preset("llama", strategy), mesh, shapes)  # fmt: skip
+    conf = CompareConfig(batch=args.batch, seq=args.seq)
+    program = build(Candidate(strategy, mesh_spec), fam, cfg, conf)
+    mesh, shapes = program.mesh, program.batch_shapes
+    optimizer = optax.adamw(conf.lr)  # the same update, for the hand-written step
     ours = program.report()
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -74,27 +74,20 @@ def implied_bubble(overhead: float | None) -> float | None:
 def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
     """Compile, inspect and time one grid point."""
     import jax
-    import optax
     from flax import nnx
 
     import models
-    from partition_rules import preset
+    from sharding._compare import Candidate, CompareConfig, build
     from sharding._mesh import MeshSpec
-    from sharding._pipeline import PipelineSpec
     from sharding._stages import stack_flop_overhead
-    from sharding._step import compile_train_step
 
     fam = models.get_family("llama")
     cfg = fam.config("tiny", n_layers=args.layers)
-    spec = PipelineSpec(schedule, m, REPEATS[schedule], input_key=fam.INPUT,
-                        loss_from_logits=fam.loss_from_logits)  # fmt: skip
     n = p * args.data
-    mesh = MeshSpec(stage=p, data=args.data).build(jax.devices()[:n])
     batch = args.batch or m * args.data
-    program = compile_train_step(
-        lambda rngs: fam.Model(cfg, rngs=rngs), fam.loss, optax.adamw(1e-3), *preset("llama", "pp"),
-        mesh, fam.batch_shapes(cfg, batch, args.seq), pipeline=spec,
-    )  # fmt: skip
+    cand = Candidate("pp", str(MeshSpec(stage=p, data=args.data)), schedule, m, REPEATS[schedule])
+    program = build(cand, fam, cfg, CompareConfig(batch=batch, seq=args.seq), jax.devices()[:n])
+    spec, mesh = cand.pipeline(fam), program.mesh
     report = program.report()  # compiles; program.compile_time_s is tracing + XLA
     overhead = None
     if schedule != "1f1b" and not args.no_overhead:

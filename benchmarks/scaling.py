@@ -60,29 +60,20 @@ def mesh_for(strategy: str, n: int) -> str:
 def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
     """Compile (only) ``strategy`` on the first ``n`` devices and read its per-device figures."""
     import jax
-    import optax
 
     import models
-    from partition_rules import preset
+    from sharding._compare import Candidate, CompareConfig, build
     from sharding._init import state_bytes
-    from sharding._mesh import MeshSpec
-    from sharding._pipeline import PipelineSpec
-    from sharding._step import compile_train_step
 
     fam = models.get_family("llama")
     cfg = fam.config(args.size, n_layers=args.layers, n_kv_heads=args.kv_heads)
     spec = mesh_for(strategy, n)
-    mesh = MeshSpec.of(spec).build(jax.devices()[:n])
-    pipeline = None
-    if strategy == "pp" and n > 1:
-        pipeline = PipelineSpec("gpipe", 2 * n, input_key=fam.INPUT,
-                                loss_from_logits=fam.loss_from_logits)  # fmt: skip
+    pipelined = strategy == "pp" and n > 1
+    cand = Candidate(strategy, spec, "gpipe" if pipelined else None, 2 * n if pipelined else None)
     start = time.perf_counter()
-    program = compile_train_step(
-        lambda rngs: fam.Model(cfg, rngs=rngs), fam.loss, optax.adamw(1e-3),
-        *preset("llama", strategy), mesh, fam.batch_shapes(cfg, args.batch, args.seq),
-        pipeline=pipeline,
-    )  # fmt: skip
+    program = build(cand, fam, cfg, CompareConfig(batch=args.batch, seq=args.seq),
+                    jax.devices()[:n])  # fmt: skip
+    pipeline = cand.pipeline(fam)
     report = program.report()
     elapsed = time.perf_counter() - start
     m = report.memory

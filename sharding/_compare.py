@@ -49,6 +49,7 @@ class CompareConfig:
     steps: int = 8
     warmup: int = 2
     lr: float = 1e-3
+    remat: str = "none"
 
 
 @dataclass(frozen=True)
@@ -183,8 +184,14 @@ def _shapes(name: str, n: int) -> list[str]:
     return table[name]
 
 
-def build(cand: Candidate, family: Any, cfg: Any, conf: CompareConfig, devices: list) -> Any:
-    """The `TrainProgram` of ``cand`` (compiles lazily)."""
+def build(
+    cand: Candidate, family: Any, cfg: Any, conf: CompareConfig, devices: list | None = None
+) -> Any:
+    """The `TrainProgram` of ``cand`` under ``conf`` (AdamW), on ``devices`` (default: all).
+
+    Nothing compiles until ``program.compiled`` (or ``report()``, ``step``) is first used, so
+    ``program.abstract_state`` can be sized for any model first.
+    """
     from sharding._step import compile_train_step
 
     mesh = MeshSpec.of(cand.mesh).build(devices)
@@ -196,6 +203,7 @@ def build(cand: Candidate, family: Any, cfg: Any, conf: CompareConfig, devices: 
         mesh,
         family.batch_shapes(cfg, conf.batch, conf.seq),
         compute_dtype=conf.dtype,
+        remat=conf.remat,
         pipeline=cand.pipeline(family),
     )
 

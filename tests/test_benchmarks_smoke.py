@@ -109,7 +109,13 @@ def test_mfu_helpers():
     assert mfu.train_flops_6nd(10, 3) == 180.0
     limit, source = mfu.memory_limit(jax.devices()[0], "2GB")
     assert (limit, source) == (2 * 10**9, "--memory")
-    row = mfu.try_size(llama, "1b", argparse.Namespace(seq=64), jax.devices()[0], limit)
+    row = mfu.try_size(
+        llama,
+        "1b",
+        argparse.Namespace(seq=64, batch=8, dtype="float32", remat="none"),
+        jax.devices()[0],
+        limit,
+    )
     assert not row["fits"] and "train state alone exceeds" in row["reason"]
 
 
