@@ -24,8 +24,7 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
 
 def setup(devices: int) -> None:
     """Simulate ``devices`` CPU devices on a CPU-only host; must run before any JAX use."""
-    from sharding._mesh import simulate_cpu_devices
-    from sharding.cli._common import cpu_only
+    from sharding import cpu_only, simulate_cpu_devices
 
     if cpu_only():
         simulate_cpu_devices(devices)

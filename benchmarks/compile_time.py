@@ -18,7 +18,7 @@ def compile_seconds(strategy: str, mesh_spec: str, *, layers: int, batch: int, s
                     schedule: str | None = None, microbatches: int = 0, repeats: int = 2) -> float:  # fmt: skip
     """Best wall time over ``repeats`` fresh compiles of the train step."""
     import models
-    from sharding._compare import Candidate, CompareConfig, build
+    from sharding.comparison import Candidate, CompareConfig, build
 
     fam = models.get_family("llama")
     cfg = fam.config("tiny", n_layers=layers)

@@ -10,7 +10,7 @@ MFU = model FLOPs per step / step time / peak FLOP/s of the device. Model FLOPs 
 FLOPs of the compiled step without recomputation (`ProgramReport.matmul_flops`, every scan
 iteration counted); ``6 * N * tokens`` is shown beside them for reference. The peak is the
 datasheet figure on an accelerator and a measured matmul roofline on CPU
-(`sharding._roofline.host_peak`).
+(`sharding.inspection._roofline.host_peak`).
 
     python -m benchmarks.mfu                          # auto size, CPU: float32, 4GB
     python -m benchmarks.mfu --size 1b --dtype bfloat16 --batch 4 --seq 2048 --remat full
@@ -51,7 +51,7 @@ def train_flops_6nd(n_params: int, tokens: int) -> float:
 
 def _build(fam: Any, cfg: Any, args: Any, device: Any, remat: str) -> Any:
     """The one-device dp program (built, not compiled: its abstract state is sized first)."""
-    from sharding._compare import Candidate, CompareConfig, build
+    from sharding.comparison import Candidate, CompareConfig, build
 
     conf = CompareConfig(batch=args.batch, seq=args.seq, dtype=args.dtype, lr=1e-4, remat=remat)
     return build(Candidate("dp", "data=1"), fam, cfg, conf, [device])
@@ -59,7 +59,7 @@ def _build(fam: Any, cfg: Any, args: Any, device: Any, remat: str) -> Any:
 
 def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[str, Any]:
     """Whether ``size`` fits ``limit`` bytes on one device, and the compiled program if it does."""
-    from sharding._init import state_bytes
+    from sharding import state_bytes
 
     cfg = fam.config(size)
     row: dict[str, Any] = {"size": size, "params": fam.param_count(cfg), "state_bytes": None,
@@ -84,7 +84,7 @@ def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[st
 
 def memory_limit(device: Any, memory_arg: str | None) -> tuple[int, str]:
     """The byte budget and where it comes from: --memory, else the accelerator's bytes_limit."""
-    from sharding._units import parse_bytes
+    from sharding import parse_bytes
 
     if memory_arg is not None:
         return parse_bytes(memory_arg), "--memory"
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     import models
-    from sharding._roofline import host_peak, mfu
-    from sharding._units import fmt_bytes, fmt_count
+    from sharding import fmt_bytes, fmt_count
+    from sharding.inspection import host_peak, mfu
 
     console = Console(width=160)
     fam = models.get_family("llama")

@@ -65,8 +65,8 @@ def measure(strategy: str, mesh_spec: str, args) -> dict:
     import optax
 
     import models
-    from sharding._compare import Candidate, CompareConfig, build
-    from sharding._inspect import compile_and_inspect
+    from sharding.comparison import Candidate, CompareConfig, build
+    from sharding.inspection import compile_and_inspect
 
     fam = models.get_family("llama")
     cfg = fam.config(args.size)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from partition_rules.strategies import EXAMPLE_MESHES_8
-    from sharding._units import fmt_bytes
+    from sharding import fmt_bytes
 
     rows = [measure(s, EXAMPLE_MESHES_8[s], args) for s in args.strategies.split(",")]
     table = Table(title=f"spmdkit step vs hand-written jax.jit step (llama {args.size}, "

@@ -113,7 +113,7 @@ def parse_log_arg(arg: str) -> tuple[str, Path]:
 
 
 def _canonical(mesh: str) -> str:
-    from sharding._mesh import MeshSpec
+    from sharding import MeshSpec
 
     return str(MeshSpec.of(mesh))
 
@@ -142,7 +142,7 @@ def maxtext_train_flops_per_device(cfg: Any, per_device_batch: int, seq: int) ->
 def maxtext_command(label: str, mesh: str, microbatches: int | None, *, steps: int,
                     config: str) -> str:  # fmt: skip
     """The MaxText command that trains the same model on ``mesh`` and logs its steps."""
-    from sharding._mesh import MeshSpec
+    from sharding import MeshSpec
 
     sizes = MeshSpec.of(mesh).sizes
     parts = [
@@ -164,9 +164,9 @@ def maxtext_command(label: str, mesh: str, microbatches: int | None, *, steps: i
 
 
 def run_spmdkit(args: Any) -> list[dict[str, Any]]:
-    """Compile, warm up and time spmdkit's step on each mesh (`sharding._compare.measure`)."""
+    """Compile, warm up and time spmdkit's step on each mesh (`sharding.comparison._measure.measure`)."""
     import models
-    from sharding._compare import Candidate, CompareConfig, measure
+    from sharding.comparison import Candidate, CompareConfig, measure
 
     fam = models.get_family("llama")
     cfg = fam.config(SIZE)

@@ -6,7 +6,7 @@ layers divide into p*r blocks), on llama tiny with 8 layers and a mesh of the fi
 
 - bubble: the schedule's idle stage-ticks (`Schedule.bubble_fraction`), theory;
 - FLOP overhead: matmul FLOPs of the pipelined layer stack over the unpipelined one, measured
-  from compiled programs (`sharding._stages.stack_flop_overhead`; n/a for 1f1b, whose ticks
+  from compiled programs (`sharding.pipeline._stages.stack_flop_overhead`; n/a for 1f1b, whose ticks
   branch between forward and backward so a static count charges every branch);
 - temp memory per device and collective-permute bytes per step, from the compiled step;
 - compile time, and the median wall time of a few steps.
@@ -77,9 +77,9 @@ def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
     from flax import nnx
 
     import models
-    from sharding._compare import Candidate, CompareConfig, build
-    from sharding._mesh import MeshSpec
-    from sharding._stages import stack_flop_overhead
+    from sharding import MeshSpec
+    from sharding.comparison import Candidate, CompareConfig, build
+    from sharding.pipeline import stack_flop_overhead
 
     fam = models.get_family("llama")
     cfg = fam.config("tiny", n_layers=args.layers)
@@ -123,7 +123,7 @@ def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
-    from sharding._units import fmt_bytes
+    from sharding import fmt_bytes
 
     t = Table(title="pipeline schedules on llama tiny (8 layers)")
     for col in ("p", "m", "schedule", "ticks", "bubble (theory)", "FLOP overhead",

@@ -1,6 +1,6 @@
 """How fast `spmdkit plan` answers: the layout search for sizes that cannot run here.
 
-Times `sharding._costmodel_plan.candidates` (every mesh factorisation x strategy x remat x
+Times `sharding.costmodel._search.candidates` (every mesh factorisation x strategy x remat x
 schedule, predicted by the cost model; no devices, no compilation) for llama 70b on 512 x 80 GB
 and 7b on 8 x 80 GB, best of --repeats, against issue 5's target of under a minute.
 
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sharding._costmodel_plan import PROFILES, candidates
-    from sharding._units import parse_bytes
+    from sharding import parse_bytes
+    from sharding.costmodel import PROFILES, candidates
 
     memory = parse_bytes(args.memory)
     profile = PROFILES["h100-80gb"]

@@ -62,8 +62,8 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
     import jax
 
     import models
-    from sharding._compare import Candidate, CompareConfig, build
-    from sharding._init import state_bytes
+    from sharding import state_bytes
+    from sharding.comparison import Candidate, CompareConfig, build
 
     fam = models.get_family("llama")
     cfg = fam.config(args.size, n_layers=args.layers, n_kv_heads=args.kv_heads)
@@ -98,7 +98,7 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
-    from sharding._units import fmt_bytes
+    from sharding import fmt_bytes
 
     t = Table(title="memory and traffic per device as the mesh grows (compiled, not run)")
     for col in ("strategy", "n", "mesh", "state/device", "vs n=1", "peak/device", "temp/device",
@@ -118,7 +118,7 @@ def table(rows: list[dict[str, Any]]) -> Any:
 
 
 def _opt_bytes(n: int | None) -> str:
-    from sharding._units import fmt_bytes
+    from sharding import fmt_bytes
 
     return "n/a" if n is None else fmt_bytes(n)
 

@@ -42,6 +42,7 @@ from models import _config
 from models._layers import Dense, Remat, RMSNorm, cross_entropy, make_stacked, normal, scan_layers
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
+NAME = "cnn"  # the family name partition_rules presets are keyed by
 INPUT = "images"
 
 

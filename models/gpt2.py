@@ -49,6 +49,7 @@ from models._layers import (
 )
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
+NAME = "gpt2"  # the family name partition_rules presets are keyed by
 INPUT = "inputs"
 
 

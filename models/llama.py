@@ -47,6 +47,7 @@ from models._layers import (
 )
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
+NAME = "llama"  # the family name partition_rules presets are keyed by
 INPUT = "inputs"
 
 

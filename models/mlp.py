@@ -30,6 +30,7 @@ from models import _config
 from models._layers import Dense, Remat, cross_entropy, make_stacked, scan_layers
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
+NAME = "mlp"  # the family name partition_rules presets are keyed by
 INPUT = "x"
 
 

@@ -1,70 +1,27 @@
-"""spmdkit's compiler: binds partition rules to a device mesh and builds SPMD programs."""
+"""spmdkit's compiler: binds partition rules to a device mesh and builds SPMD programs.
 
-from sharding._checkpoint import (
-    Checkpointer,
-    CheckpointMeta,
-    CheckpointMismatchError,
-    NoCheckpointError,
-    check_compatible,
-    flatten_state,
-)
-from sharding._checkpoint_elastic import (
-    ELASTIC_POLICIES,
-    BatchPlan,
-    ElasticPolicyError,
-    checkpoint_shardings,
-    elastic_batch,
-    reshard_checkpoint,
-)
-from sharding._checkpoint_manifest import CheckpointError, CorruptCheckpointError
-from sharding._costmodel import CostModelError, Prediction, Traffic, predict
-from sharding._costmodel_plan import (
-    PROFILES,
-    DeviceProfile,
-    NoFittingStrategyError,
-    NoValidLayoutError,
-    compile_candidate,
-)
-from sharding._costmodel_plan import Candidate as PlanCandidate
-from sharding._costmodel_plan import candidates as plan_candidates
-from sharding._data import (
-    BYTE_VOCAB,
-    ArithmeticText,
-    DataError,
-    DataFileNotFoundError,
-    TokenFile,
-    TokenFileFormatError,
-    TokenFileTooShortError,
-    TokenOutOfRangeError,
-    VocabTooSmallError,
-    dataset_from_arg,
-    decode,
-    encode,
-    process_batch,
-)
-from sharding._distributed import (
-    DistributedConfigError,
-    DistributedInitError,
-    ProcessGroup,
-    init_from_args,
-    resolve_process_group,
-)
+The core (this namespace): the mesh (`MeshSpec`, `make_mesh`, `setup_devices`), placing rules on
+it (`resolve`, `place`, `explain`), born-sharded state (`init_sharded`) and the train-step compiler
+(`compile_train_step`). One sub-package per concept:
+
+    sharding.pipeline     schedule tables, the scan pipeline (GPipe, circular, 1F1B), stages
+    sharding.inspection   compiled-program facts: collectives, memory, FLOPs, device peaks
+    sharding.costmodel    closed-form predictions and the layout search (`spmdkit plan`)
+    sharding.comparison   measure strategies side by side and recommend (`spmdkit compare`)
+    sharding.training     data, checkpoints, elastic restarts, multi-process runs
+
+Every error for input spmdkit cannot take is a `SpmdkitError` (a `ValueError`), grouped under one
+base per concept.
+"""
+
+from sharding import comparison, costmodel, inspection, pipeline, training
+from sharding._devices import cpu_only, setup_devices
+from sharding._errors import SpmdkitError
 from sharding._explain import Explanation, explain
-from sharding._hlo import FlopCount, count_flops
 from sharding._init import abstract_params, init_sharded, state_bytes
-from sharding._inspect import (
-    COLLECTIVE_KINDS,
-    CollectiveOp,
-    CollectiveSummary,
-    MemoryStats,
-    ProgramReport,
-    compile_and_inspect,
-    inspect_compiled,
-    parse_collectives,
-    summarize,
-)
 from sharding._mesh import (
     AXES,
+    BATCH_AXES,
     MalformedMeshSpecError,
     MeshSizeMismatchError,
     MeshSpec,
@@ -73,39 +30,24 @@ from sharding._mesh import (
     UnknownMeshAxisNameError,
     make_mesh,
     mesh_sizes,
+    mesh_text,
     simulate_cpu_devices,
 )
-from sharding._pipeline import PipelineConfigError, PipelineSpec, check_pipeline, pipelined_loss
 from sharding._resolve import (
     DuplicateMeshAxisError,
     IndivisibleDimensionError,
     Placement,
+    Placements,
     RankMismatchError,
     RuleError,
     UnknownLogicalAxisError,
     UnknownMeshAxisError,
     UnmatchedParameterError,
     path_str,
-    plan,
+    place,
     resolve,
     shard_abstract,
 )
-from sharding._schedule import (
-    SCHEDULES,
-    Action,
-    Kind,
-    LayerCountError,
-    RepeatsError,
-    Schedule,
-    ScheduleError,
-    ScheduleSizeError,
-    TooFewMicrobatchesError,
-    UnknownScheduleError,
-    check_layers,
-    make_schedule,
-    render,
-)
-from sharding._stages import StageLoad, StageReport, stack_flop_overhead, stage_report
 from sharding._step import (
     AccumulationError,
     BatchShardingError,
@@ -114,118 +56,55 @@ from sharding._step import (
     compile_train_step,
     remat_wrapper,
 )
-from sharding._units import fmt_bytes, fmt_count, parse_bytes
+from sharding._units import SizeFormatError, fmt_bytes, fmt_count, parse_bytes
 
 __all__ = [
     "AXES",
-    "BYTE_VOCAB",
-    "COLLECTIVE_KINDS",
-    "ELASTIC_POLICIES",
-    "PROFILES",
-    "SCHEDULES",
+    "BATCH_AXES",
     "AccumulationError",
-    "Action",
-    "ArithmeticText",
-    "BatchPlan",
     "BatchShardingError",
-    "CheckpointError",
-    "CheckpointMeta",
-    "CheckpointMismatchError",
-    "Checkpointer",
-    "CollectiveOp",
-    "CollectiveSummary",
-    "CorruptCheckpointError",
-    "CostModelError",
-    "DataError",
-    "DataFileNotFoundError",
-    "DeviceProfile",
-    "DistributedConfigError",
-    "DistributedInitError",
     "DuplicateMeshAxisError",
-    "ElasticPolicyError",
     "Explanation",
-    "FlopCount",
     "IndivisibleDimensionError",
-    "Kind",
-    "LayerCountError",
     "MalformedMeshSpecError",
-    "MemoryStats",
     "MeshSizeMismatchError",
     "MeshSpec",
     "MeshSpecError",
     "MultipleFillAxesError",
-    "NoCheckpointError",
-    "NoFittingStrategyError",
-    "NoValidLayoutError",
-    "PipelineConfigError",
-    "PipelineSpec",
     "Placement",
-    "PlanCandidate",
-    "Prediction",
-    "ProcessGroup",
-    "ProgramReport",
+    "Placements",
     "RankMismatchError",
-    "RepeatsError",
     "RuleError",
-    "Schedule",
-    "ScheduleError",
-    "ScheduleSizeError",
-    "StageLoad",
-    "StageReport",
+    "SizeFormatError",
+    "SpmdkitError",
     "StepConfigError",
-    "TokenFile",
-    "TokenFileFormatError",
-    "TokenFileTooShortError",
-    "TokenOutOfRangeError",
-    "TooFewMicrobatchesError",
-    "Traffic",
     "TrainProgram",
     "UnknownLogicalAxisError",
     "UnknownMeshAxisError",
     "UnknownMeshAxisNameError",
-    "UnknownScheduleError",
     "UnmatchedParameterError",
-    "VocabTooSmallError",
     "abstract_params",
-    "check_compatible",
-    "check_layers",
-    "check_pipeline",
-    "checkpoint_shardings",
-    "compile_and_inspect",
-    "compile_candidate",
+    "comparison",
     "compile_train_step",
-    "count_flops",
-    "dataset_from_arg",
-    "decode",
-    "elastic_batch",
-    "encode",
+    "costmodel",
+    "cpu_only",
     "explain",
-    "flatten_state",
     "fmt_bytes",
     "fmt_count",
-    "init_from_args",
     "init_sharded",
-    "inspect_compiled",
+    "inspection",
     "make_mesh",
-    "make_schedule",
     "mesh_sizes",
+    "mesh_text",
     "parse_bytes",
-    "parse_collectives",
     "path_str",
-    "pipelined_loss",
-    "plan",
-    "plan_candidates",
-    "predict",
-    "process_batch",
+    "pipeline",
+    "place",
     "remat_wrapper",
-    "render",
-    "reshard_checkpoint",
     "resolve",
-    "resolve_process_group",
+    "setup_devices",
     "shard_abstract",
     "simulate_cpu_devices",
-    "stack_flop_overhead",
-    "stage_report",
     "state_bytes",
-    "summarize",
+    "training",
 ]

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from partition_rules import AxisMap, Rules
-from sharding._resolve import Placement, plan
+from sharding._resolve import Placement, place
 from sharding._units import fmt_bytes, fmt_count
 
 # Adam/AdamW keep two float32 moments per parameter, sharded like the parameter.
@@ -146,5 +146,5 @@ def explain(
         >>> ex = explain(*preset("llama", "fsdp_tp"), params, MeshSpec(fsdp=64, tensor=8))  # doctest: +SKIP
         >>> ex.totals["state_bytes_per_device"]  # doctest: +SKIP
     """
-    p = plan(rules, axis_map, abstract_params, mesh)
+    p = place(rules, axis_map, abstract_params, mesh)
     return Explanation(mesh=p.sizes, rows=p.placements, unused_rules=p.unused_rules, title=title)

@@ -30,10 +30,14 @@ import jax
 import numpy as np
 from jax import sharding as jshard
 
+from sharding._errors import SpmdkitError
+
 AXES = ("stage", "data", "fsdp", "tensor")
+# The mesh axes a global batch is split over: every strategy splits it over data x fsdp.
+BATCH_AXES = ("data", "fsdp")
 
 
-class MeshSpecError(ValueError):
+class MeshSpecError(SpmdkitError):
     """A mesh declaration that cannot be built."""
 
 
@@ -196,15 +200,15 @@ class MeshSpec:
 
 
 def _suggest(spec: MeshSpec, n_devices: int) -> str:
-    """A nearby spec that fits: one of the written axes turned into -1, else all on data."""
-    fixed = {a: s for a, s in spec.sizes.items() if s != -1}
+    """A nearby spec that fits: one written axis turned into -1, else all on data.
+
+    Pure arithmetic (never `resolve`, whose error message calls this).
+    """
+    fixed = {a: s for a, s in spec.sizes.items() if s not in (-1, 1)}
     for axis in sorted(fixed, key=lambda a: -fixed[a]):
-        candidate = MeshSpec(**{**fixed, axis: -1})
-        try:
-            candidate.resolve(n_devices)
-        except MeshSizeMismatchError:
-            continue
-        return str(candidate)
+        others = math.prod(s for a, s in fixed.items() if a != axis)
+        if n_devices % others == 0:
+            return str(MeshSpec(**{**fixed, axis: -1}))
     return f"data={n_devices}"
 
 
@@ -215,6 +219,23 @@ def mesh_sizes(mesh: jshard.Mesh | jshard.AbstractMesh | MeshSpec) -> dict[str, 
             raise MeshSpecError(f"mesh spec {mesh!s} has a -1 axis; resolve it first")
         return mesh.sizes
     return dict(mesh.shape)
+
+
+def mesh_text(mesh: jshard.Mesh | jshard.AbstractMesh | MeshSpec | dict) -> str:
+    """The short text of a mesh: its axes larger than 1, ``"stage=2,data=4"``; ``"data=1"`` alone.
+
+    Example:
+        >>> mesh_text({"stage": 1, "data": 4, "fsdp": 1, "tensor": 2})
+        'data=4,tensor=2'
+    """
+    sizes = (
+        mesh
+        if isinstance(mesh, dict)
+        else mesh_sizes(mesh)
+        if not isinstance(mesh, MeshSpec)
+        else mesh.sizes
+    )
+    return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "data=1"
 
 
 def make_mesh(

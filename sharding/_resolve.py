@@ -18,10 +18,11 @@ import numpy as np
 from jax import sharding as jshard
 
 from partition_rules import AxisMap, Rules
+from sharding._errors import SpmdkitError
 from sharding._mesh import MeshSpec, mesh_sizes
 
 
-class RuleError(ValueError):
+class RuleError(SpmdkitError):
     """A parameter tree that the rules cannot place on the mesh. `problems` lists each one."""
 
     def __init__(self, message: str, problems: list[Problem] | None = None) -> None:
@@ -232,7 +233,7 @@ def _place(
 
 
 @dataclass
-class Plan:
+class Placements:
     """The placement of every leaf of a parameter tree, in tree order."""
 
     sizes: dict[str, int]
@@ -241,7 +242,7 @@ class Plan:
     unused_rules: list[dict] = field(default_factory=list)
 
 
-def plan(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: Any) -> Plan:
+def place(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: Any) -> Placements:
     """Check and place every parameter; raise one `RuleError` listing every problem."""
     sizes = mesh_sizes(mesh)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
@@ -277,7 +278,7 @@ def plan(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: Any) -> Pl
             unused.append(
                 {"index": i, "pattern": rule.pattern, "reason": f"shadowed by rule {first}"}
             )
-    return Plan(sizes, placements, treedef, unused)
+    return Placements(sizes, placements, treedef, unused)
 
 
 def _report(problems: list[Problem], n_params: int, sizes: dict[str, int]) -> RuleError:
@@ -313,7 +314,7 @@ def resolve(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: jshard.
         raise TypeError(
             "resolve() needs a jax Mesh (use make_mesh(spec)); explain() accepts a MeshSpec"
         )
-    p = plan(rules, axis_map, abstract_params, mesh)
+    p = place(rules, axis_map, abstract_params, mesh)
     shardings = [jshard.NamedSharding(mesh, pl.partition_spec()) for pl in p.placements]
     return jax.tree_util.tree_unflatten(p.treedef, shardings)
 

@@ -22,16 +22,17 @@ from flax import nnx
 from jax import sharding as jshard
 
 from partition_rules import AxisMap, Rules
+from sharding._errors import SpmdkitError
 from sharding._init import abstract_params
-from sharding._pipeline import PipelineSpec, check_pipeline, pipelined_loss
+from sharding._mesh import BATCH_AXES
 from sharding._resolve import path_str, resolve
+from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
 
-BATCH_AXES = ("data", "fsdp")
 REMAT_POLICIES = ("none", "full", "dots")
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class StepConfigError(ValueError):
+class StepConfigError(SpmdkitError):
     """A training-step configuration that cannot be compiled as asked."""
 
 
@@ -212,7 +213,7 @@ class TrainProgram:
 
     def report(self) -> Any:
         """Collectives, memory and FLOPs of the compiled step (`sharding.ProgramReport`)."""
-        from sharding._inspect import inspect_compiled
+        from sharding.inspection import inspect_compiled
 
         compiled = self.compiled
         report = inspect_compiled(compiled, mesh=self.mesh, compile_time_s=self.compile_time_s)

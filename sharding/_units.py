@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import re
 
+from sharding._errors import SpmdkitError
+
+
+class SizeFormatError(SpmdkitError):
+    """A size such as '80GB' that cannot be read."""
+
+
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30,
           "TI": 2**40}  # fmt: skip
 
@@ -26,7 +33,10 @@ def fmt_count(n: float) -> str:
 
 def parse_bytes(text: str) -> int:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '512MB', '1.5T', '1024' (bytes)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?[iI]?)[bB]?\s*", str(text))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*((?:[kKmMgGtT][iI]?)?)[bB]?\s*", str(text))
     if not m:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. '80GB', '80GiB' or '512MB'")
+        raise SizeFormatError(
+            f"cannot read {text!r} as a size; write a number with an optional unit, e.g. '80GB', "
+            f"'80GiB', '512MB' or '1024' (bytes)"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])

@@ -13,3 +13,110 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every file and folder under ``root``: path -> (kind, size, mtime_ns)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.stat()
+        out[str(p.relative_to(root))] = ("d" if p.is_dir() else "f", st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _check_refusal(rc: int, out: str, err: str, match: str) -> str:
+    assert rc == 2, f"exit {rc}, expected 2\nstdout: {out}\nstderr: {err}"
+    assert "Traceback" not in out + err, err
+    assert re.search(match, err), f"{match!r} not in stderr:\n{err}"
+    return err
+
+
+@pytest.fixture
+def refused(tmp_path, monkeypatch, capsys):
+    """``refused(args, match)``: `spmdkit ARGS`, run in ``tmp_path``, exits 2 with a message
+    matching ``match`` on stderr, prints no traceback, and creates or changes no file there.
+
+    ``subprocess=True`` runs it in a fresh interpreter (for device counts other than the 8 the
+    test process has); ``env`` adds environment variables there. Files the test made in
+    ``tmp_path`` beforehand are part of the snapshot, so "changes nothing" covers them too.
+    """
+    from sharding.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def check(args: list[str], match: str, *, subprocess_: bool = False, env=None) -> str:
+        before = snapshot(tmp_path)
+        if subprocess_:
+            import os
+
+            code = "import sys; from sharding.cli import main; sys.exit(main(sys.argv[1:]))"
+            proc = subprocess.run(
+                [sys.executable, "-c", code, *args],
+                capture_output=True,
+                text=True,
+                cwd=tmp_path,
+                timeout=300,
+                env={**os.environ, **(env or {})},
+            )
+            rc, out, err = proc.returncode, proc.stdout, proc.stderr
+        else:
+            try:
+                rc = main(args)
+            except SystemExit as e:  # argparse refuses with exit 2
+                rc = e.code
+            captured = capsys.readouterr()
+            out, err = captured.out, captured.err
+        _check_refusal(rc, out, err, match)
+        assert snapshot(tmp_path) == before, "a refused command created or changed files"
+        return err
+
+    return check
+
+
+@pytest.fixture
+def unchanged(tmp_path, monkeypatch):
+    """A context manager asserting nothing under ``tmp_path`` (the cwd) changes inside it."""
+    import contextlib
+
+    monkeypatch.chdir(tmp_path)
+
+    @contextlib.contextmanager
+    def guard():
+        before = snapshot(tmp_path)
+        yield tmp_path
+        assert snapshot(tmp_path) == before, "a refused call created or changed files"
+
+    return guard
+
+
+@pytest.fixture
+def doctests():
+    """``doctests(package)``: run the docstring examples of every public name of ``package``
+    (its ``__all__``), found through the public objects, never through private modules; returns
+    how many examples ran, and fails on any that fails."""
+    import doctest
+    import inspect
+
+    def run(package) -> int:
+        finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(verbose=False)
+        ran, seen = 0, set()
+        for name in package.__all__:
+            obj = getattr(package, name)
+            module = inspect.getmodule(obj)  # the examples see their own module's names
+            for test in finder.find(obj, name, globs=dict(vars(module)) if module else {}):
+                if test.examples and id(test) not in seen and test.name not in seen:
+                    seen.add(test.name)
+                    runner.run(test)
+                    ran += len(test.examples)
+        result = runner.summarize(verbose=False)
+        assert result.failed == 0, f"{result.failed} docstring example(s) failed in {package}"
+        return ran
+
+    return run

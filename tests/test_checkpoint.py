@@ -18,17 +18,18 @@ import numpy as np
 import pytest
 from jax import sharding as jshard
 
-from sharding._checkpoint import (
+from sharding.cli import main
+from sharding.cli import reshard as reshard_cmd
+from sharding.cli import train as train_cmd
+from sharding.training import (
     Checkpointer,
     CheckpointMeta,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    ElasticPolicyError,
     NoCheckpointError,
+    elastic_batch,
 )
-from sharding._checkpoint_elastic import ElasticPolicyError, elastic_batch
-from sharding.cli import main
-from sharding.cli import reshard as reshard_cmd
-from sharding.cli import train as train_cmd
 
 BASE = ["--model", "llama", "--size", "tiny", "--batch", "16", "--seq", "32", "--steps", "10"]
 FSDP8 = ["--mesh", "fsdp=8", "--strategy", "fsdp"]
@@ -144,8 +145,8 @@ def _program(strategy: str, mesh: str, family: str = "llama"):
 
     import models
     from partition_rules import preset
-    from sharding import PipelineSpec, make_mesh
-    from sharding._step import compile_train_step
+    from sharding import compile_train_step, make_mesh
+    from sharding.pipeline import PipelineSpec
 
     fam = models.get_family(family)
     cfg = fam.config("tiny")
@@ -203,7 +204,7 @@ def test_elastic_restart_on_four_devices_continues_the_loss_curve(reference, tmp
 
 KILLED_CHILD = """
 import os, signal, sys
-from sharding import _checkpoint
+from sharding.training import _checkpoint
 where = sys.argv.pop(1)
 write, save = _checkpoint.write_manifest, _checkpoint.Checkpointer.save
 def write_manifest(step_dir, step):
@@ -295,13 +296,10 @@ def test_cli_refuses_unsafe_starts(reference, tmp_path, capsys):
         reshard_cli(str(ck_dir), str(ck_dir), "--mesh", "tensor=8", "--strategy", "tp")
 
 
-def test_doc_examples():
-    import doctest
+def test_doc_examples(doctests):
+    import sharding.training
 
-    from sharding import _checkpoint, _checkpoint_elastic
-
-    for module in (_checkpoint, _checkpoint_elastic):
-        assert doctest.testmod(module).failed == 0
+    assert doctests(sharding.training) > 0
 
 
 def _meta(batch: int, accum: int, **mesh: int) -> CheckpointMeta:

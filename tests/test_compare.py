@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from sharding._compare import Candidate, Result, candidates
-from sharding._roofline import Peak, UnknownDeviceKindError, device_peak, mfu
-from sharding._verdict import recommend
 from sharding.cli import main
+from sharding.comparison import Candidate, Result, candidates, recommend
+from sharding.inspection import Peak, UnknownDeviceKindError, device_peak, mfu
 
 
 def labels(cands):

@@ -18,11 +18,9 @@ from rich.console import Console
 import models
 from partition_rules import preset
 from partition_rules.strategies import EXAMPLE_MESHES_8
-from sharding import MeshSpec, RuleError, make_mesh
-from sharding._costmodel import CostModelError, predict
-from sharding._init import state_bytes
-from sharding._pipeline import PipelineConfigError, PipelineSpec
-from sharding._step import compile_train_step
+from sharding import MeshSpec, RuleError, compile_train_step, make_mesh, state_bytes
+from sharding.costmodel import CostModelError, predict
+from sharding.pipeline import PipelineConfigError, PipelineSpec
 
 BATCH, SEQ, MICROBATCHES = 16, 32, 4
 CASES = [
@@ -64,7 +62,15 @@ def measured(family: str, strategy: str, schedule: str | None):
 def predicted(family: str, strategy: str, schedule: str | None):
     sizes = MeshSpec.parse(EXAMPLE_MESHES_8[strategy]).sizes
     cfg = models.get_family(family).config("tiny")
-    return predict(family, cfg, strategy, sizes, BATCH, SEQ, pipeline=_pipeline(family, schedule))
+    return predict(
+        models.get_family(family),
+        cfg,
+        strategy,
+        sizes,
+        BATCH,
+        SEQ,
+        pipeline=_pipeline(family, schedule),
+    )
 
 
 @pytest.mark.parametrize(("family", "strategy", "schedule"), PARAMS, ids=IDS)
@@ -118,7 +124,7 @@ def test_gpipe_flops_count_the_bubble_ticks():
 
 
 def test_prediction_scales_to_70b_without_devices():
-    pred = predict("llama", "70b", "fsdp_tp", {"fsdp": 64, "tensor": 8}, 512, 4096,
+    pred = predict(models.llama, "70b", "fsdp_tp", {"fsdp": 64, "tensor": 8}, 512, 4096,
                    dtype="bfloat16", remat="full")  # fmt: skip
     assert pred.n_params == models.llama.param_count(models.llama.config("70b"))
     assert pred.param_bytes == pytest.approx(pred.n_params * 4 / 512, rel=0.01)
@@ -132,14 +138,16 @@ def test_prediction_scales_to_70b_without_devices():
 
 def test_rejects_what_it_cannot_predict():
     with pytest.raises(CostModelError, match=r"global batch 12 is not divisible by data x fsdp"):
-        predict("llama", "tiny", "dp", {"data": 8}, 12, 32)
+        predict(models.llama, "tiny", "dp", {"data": 8}, 12, 32)
     with pytest.raises(CostModelError, match=r"language-model families"):
-        predict("mlp", "tiny", "dp", {"data": 8}, 8, None)
+        predict(models.mlp, "tiny", "dp", {"data": 8}, 8, None)
     with pytest.raises(CostModelError, match=r"need stage >= 2 and a pipeline"):
-        predict("llama", "tiny", "pp", {"stage": 2, "data": 4}, 16, 32)
+        predict(models.llama, "tiny", "pp", {"stage": 2, "data": 4}, 16, 32)
     with pytest.raises(PipelineConfigError, match=r"micro-batches of a size divisible by"):
-        predict("llama", "tiny", "pp", {"stage": 2, "data": 4}, 8, 32, pipeline=("gpipe", 4, 1))
+        predict(
+            models.llama, "tiny", "pp", {"stage": 2, "data": 4}, 8, 32, pipeline=("gpipe", 4, 1)
+        )
     with pytest.raises(CostModelError, match=r"unknown optimizer 'lion'"):
-        predict("llama", "tiny", "dp", {"data": 8}, 8, 32, optimizer="lion")
+        predict(models.llama, "tiny", "dp", {"data": 8}, 8, 32, optimizer="lion")
     with pytest.raises(RuleError, match=r"not divisible by tensor=16"):
-        predict("llama", "tiny", "tp", {"tensor": 16}, 8, 32)
+        predict(models.llama, "tiny", "tp", {"tensor": 16}, 8, 32)

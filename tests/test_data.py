@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax import sharding as jshard
 
-from sharding._data import (
+from sharding.training import (
     ArithmeticText,
     DataError,
     DataFileNotFoundError,

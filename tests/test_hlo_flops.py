@@ -19,8 +19,7 @@ from rich.console import Console
 
 from models import llama
 from sharding import make_mesh
-from sharding._hlo import FlopCount, count_flops
-from sharding._inspect import ProgramReport, compile_and_inspect
+from sharding.inspection import FlopCount, ProgramReport, compile_and_inspect, count_flops
 
 
 def flops_of(f, *args):

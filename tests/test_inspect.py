@@ -16,9 +16,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
-from sharding import MemoryStats, make_mesh
-from sharding._inspect import (
+from sharding import make_mesh
+from sharding.inspection import (
     CollectiveSummary,
+    MemoryStats,
     ProgramReport,
     compile_and_inspect,
     inspect_compiled,

@@ -16,15 +16,15 @@ import time
 import numpy as np
 import pytest
 
-from sharding._distributed import (
+from sharding.cli import main, train
+from sharding.cli.launch import LaunchError, free_port, launch, process_commands
+from sharding.training import (
     DistributedConfigError,
     ProcessGroup,
     devices_per_process,
     init_from_args,
     resolve_process_group,
 )
-from sharding.cli import main, train
-from sharding.cli.launch import LaunchError, free_port, launch, process_commands
 
 MESH = "data=2,fsdp=2,tensor=2"
 TRAIN = ["train", "--model", "llama", "--size", "tiny", "--strategy", "fsdp_tp",

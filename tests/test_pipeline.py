@@ -12,10 +12,13 @@ import pytest
 
 from models import gpt2, llama
 from partition_rules import preset
-from sharding import make_mesh
-from sharding._pipeline import PipelineConfigError, PipelineSpec
-from sharding._schedule import LayerCountError, TooFewMicrobatchesError
-from sharding._step import compile_train_step
+from sharding import compile_train_step, make_mesh
+from sharding.pipeline import (
+    LayerCountError,
+    PipelineConfigError,
+    PipelineSpec,
+    TooFewMicrobatchesError,
+)
 
 CFG = llama.config("tiny")
 SEQ, F32 = 32, 4

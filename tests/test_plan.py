@@ -10,15 +10,15 @@ import math
 import pytest
 
 from models import llama
-from sharding._costmodel import CostModelError
-from sharding._costmodel_plan import (
+from sharding.cli import plan
+from sharding.costmodel import (
     PROFILES,
+    CostModelError,
     NoFittingStrategyError,
     candidates,
     compile_candidate,
     meshes,
 )
-from sharding.cli import plan
 
 H100 = PROFILES["h100-80gb"]
 GB = 10**9
@@ -33,7 +33,7 @@ def test_meshes_are_every_factorisation_over_the_four_axes():
 
 def test_70b_on_512_h100s_names_fitting_strategies():
     # How long the search takes is measured by benchmarks/plan_time.py, not asserted here.
-    ranked = candidates("llama", "70b", 512, 512, 4096, memory_bytes=80 * GB, profile=H100)
+    ranked = candidates(llama, "70b", 512, 512, 4096, memory_bytes=80 * GB, profile=H100)
     fitting = [c for c in ranked if c.fits]
     assert fitting and ranked[: len(fitting)] == fitting
     assert all(c.prediction.memory_bytes <= 80 * GB for c in fitting)
@@ -47,9 +47,9 @@ def test_7b_prediction_is_within_10_percent_of_an_aot_compile():
     # A 2-layer 7b keeps the per-layer shapes (d_model 4096, 32 heads, d_ff 11008, vocab 32000)
     # and compiles in seconds from abstract shapes; nothing is allocated.
     cfg = dataclasses.replace(llama.config("7b"), n_layers=2)
-    ranked = candidates("llama", cfg, 8, 8, 1024, memory_bytes=80 * GB, profile=H100)
+    ranked = candidates(llama, cfg, 8, 8, 1024, memory_bytes=80 * GB, profile=H100)
     for c in ranked[:2]:
-        compile_candidate(c, cfg)
+        compile_candidate(c, llama, cfg)
         assert c.compiled_memory is not None
         assert c.prediction.memory_bytes == pytest.approx(c.compiled_memory, rel=0.10), (
             c.prediction.strategy,
@@ -61,12 +61,12 @@ def test_a_model_that_fits_nowhere_says_the_memory_it_needs():
     with pytest.raises(
         NoFittingStrategyError, match=r"smallest per-device memory any layout needs is [\d.]+ GiB"
     ):
-        candidates("llama", "70b", 8, 8, 4096, memory_bytes=10 * GB, profile=H100)
+        candidates(llama, "70b", 8, 8, 4096, memory_bytes=10 * GB, profile=H100)
 
 
 def test_unknown_strategy_names_the_known_ones():
     with pytest.raises(CostModelError, match=r"unknown strategies \['zero'\]; strategies: dp"):
-        candidates("llama", "tiny", 8, 8, 32, strategies=("zero",), memory_bytes=GB,
+        candidates(llama, "tiny", 8, 8, 32, strategies=("zero",), memory_bytes=GB,
                    profile=H100)  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Binding rules to a mesh: resolve/plan/explain results, every error kind, and a tiling property."""
+"""Binding rules to a mesh: resolve/place/explain results, every error kind, and a tiling property."""
 
 import functools
 import io
@@ -29,7 +29,7 @@ from sharding import (
     UnmatchedParameterError,
     explain,
     make_mesh,
-    plan,
+    place,
     resolve,
     shard_abstract,
 )
@@ -258,8 +258,8 @@ def test_explain_rejects_unresolved_spec():
 
 
 def test_plan_on_mesh_and_spec_agree():
-    a = plan(RULES, AXIS_MAP, TREE, SPEC)
-    b = plan(RULES, AXIS_MAP, TREE, mesh_222())
+    a = place(RULES, AXIS_MAP, TREE, SPEC)
+    b = place(RULES, AXIS_MAP, TREE, mesh_222())
     assert a.sizes == b.sizes == SIZES
     assert a.placements == b.placements
     assert a.unused_rules == b.unused_rules

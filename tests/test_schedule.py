@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from sharding._schedule import (
+from sharding.pipeline import (
     SCHEDULES,
     Action,
     Kind,
@@ -309,9 +309,7 @@ def test_errors(args, error, match):
     assert isinstance(e.value, ScheduleError) and isinstance(e.value, ValueError)
 
 
-def test_docstring_examples():
-    import doctest
+def test_docstring_examples(doctests):
+    import sharding.pipeline
 
-    import sharding._schedule
-
-    assert doctest.testmod(sharding._schedule).failed == 0
+    assert doctests(sharding.pipeline) > 0

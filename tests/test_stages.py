@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from models import llama
-from sharding import LayerCountError, PipelineSpec, make_mesh
-from sharding._stages import stack_flop_overhead, stage_report
+from sharding import make_mesh
+from sharding.pipeline import LayerCountError, PipelineSpec, stack_flop_overhead, stage_report
 
 
 def abstract_llama(n_layers: int = 4) -> nnx.Module:

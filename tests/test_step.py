@@ -12,12 +12,12 @@ import pytest
 import models
 from partition_rules import preset
 from partition_rules.strategies import EXAMPLE_MESHES_8
-from sharding import make_mesh
-from sharding._step import (
+from sharding import (
     AccumulationError,
     BatchShardingError,
     StepConfigError,
     compile_train_step,
+    make_mesh,
 )
 
 SEQ = 32

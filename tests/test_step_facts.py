@@ -12,10 +12,8 @@ import pytest
 
 from models import llama
 from partition_rules import preset
-from sharding import make_mesh
-from sharding._init import state_bytes
-from sharding._inspect import inspect_compiled
-from sharding._step import compile_train_step
+from sharding import compile_train_step, make_mesh, state_bytes
+from sharding.inspection import inspect_compiled
 
 CFG = llama.config("tiny")
 BATCH, SEQ = 8, 32

@@ -1,11 +1,19 @@
-"""The `spmdkit` command line: one subcommand per module in this package."""
+"""The `spmdkit` command line: one subcommand per module in this package.
+
+Each module only parses its arguments, calls one public library function, prints the result and
+maps typed errors to exit codes: 0 done, 1 a run that failed (e.g. a non-finite loss), 2 input
+spmdkit cannot take (argparse's own code for bad flags), with a message naming the value and the
+fix and never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
 from sharding.cli import compare, explain, launch, plan, reshard, train
+from sharding.cli._common import HelpFormatter
 
 COMMANDS = {
     "compare": compare,
@@ -17,12 +25,23 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    try:
+        return metadata.version("spmdkit")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="spmdkit",
         description="Data, FSDP, tensor and pipeline parallelism for JAX: declare a mesh, "
         "partition rules and a schedule; measure and compare.",
+        epilog="examples:\n  spmdkit compare\n  spmdkit explain --model llama --size 70b "
+        "--mesh fsdp=64,tensor=8\n  spmdkit COMMAND --help",
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"spmdkit {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS.values():
         module.add_parser(sub)
@@ -34,4 +53,4 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]

@@ -10,32 +10,64 @@ from rich.console import Console
 
 import models
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
-from sharding._mesh import MeshSpec, simulate_cpu_devices
-from sharding._schedule import SCHEDULES
+from sharding._devices import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
+from sharding.pipeline import SCHEDULES
 
 
-def add_model_args(p: argparse.ArgumentParser, *, size: str = "tiny") -> None:
-    p.add_argument("--model", default="llama", choices=sorted(models.FAMILIES),
-                   help="model family (default: %(default)s)")  # fmt: skip
-    p.add_argument("--size", default=size, help="named size of the family (default: %(default)s)")
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written; every option's default shown (unless unset)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "%(default)" not in text
+                and action.default not in (None, False, argparse.SUPPRESS)):  # fmt: skip
+            text += " (default: %(default)s)"
+        return text
+
+
+def add_command(
+    sub: argparse._SubParsersAction, name: str, *, help: str, doc: str | None, examples: list[str]
+) -> argparse.ArgumentParser:
+    """A subcommand parser whose --help shows defaults and ends with runnable examples."""
+    epilog = "examples:\n" + "\n".join(f"  spmdkit {name} {e}".rstrip() for e in examples)
+    return sub.add_parser(
+        name, help=help, description=doc, epilog=epilog, formatter_class=HelpFormatter
+    )
+
+
+def sizes_text(family: str) -> str:
+    """``"tiny, 124m, 350m"``: the named sizes of a family, for help texts and errors."""
+    return ", ".join(models.get_family(family).SIZES)
+
+
+def add_model_args(
+    p: argparse.ArgumentParser, *, size: str = "tiny", families: tuple[str, ...] | None = None
+) -> None:
+    families = tuple(families or sorted(models.FAMILIES))
+    sizes = "; ".join(f"{f}: {sizes_text(f)}" for f in families)
+    p.add_argument("--model", default=families[0] if "llama" not in families else "llama",
+                   choices=families, help="model family")  # fmt: skip
+    p.add_argument("--size", default=size, help=f"named size of the family ({sizes})")
 
 
 def add_strategy_args(p: argparse.ArgumentParser, *, default: str = "fsdp_tp") -> None:
     p.add_argument("--mesh", help="mesh spec, e.g. data=2,fsdp=2,tensor=2 (one axis may be -1)")
     p.add_argument("--strategy", default=default, choices=list(STRATEGIES),
-                   help="partition preset (default: %(default)s)")  # fmt: skip
+                   help="partition preset")  # fmt: skip
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline (strategies pp, pp_tp, pp_fsdp)")
-    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default: gpipe)")
-    g.add_argument("--microbatches", type=int, help="micro-batches per step (default: 2 x stages)")
-    g.add_argument("--repeats", type=int, help="circular: layer blocks per stage (default: 2)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (when unset: gpipe)")
+    g.add_argument("--microbatches", type=positive_int,
+                   help="micro-batches per step (when unset: 2 x stages)")  # fmt: skip
+    g.add_argument("--repeats", type=positive_int,
+                   help="circular: layer blocks per stage (when unset: 2)")  # fmt: skip
 
 
 def pipeline_spec(args: argparse.Namespace, family, stages: int):
     """The `PipelineSpec` the arguments ask for, or None for a non-pipeline strategy."""
-    from sharding._pipeline import PipelineSpec
+    from sharding.pipeline import PipelineSpec
 
     asked = [f"--{k}" for k in ("schedule", "microbatches", "repeats") if getattr(args, k)]
     if args.strategy not in PIPELINE_STRATEGIES:
@@ -62,40 +94,37 @@ def pipeline_spec(args: argparse.Namespace, family, stages: int):
     )
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag and exits 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def add_devices_arg(p: argparse.ArgumentParser, default: int | None = None) -> None:
+    """--devices: one meaning in every command, the number of devices the run spans."""
+    p.add_argument("--devices", type=positive_int, default=default, metavar="N",
+                   help="number of devices the mesh spans (simulated on a CPU-only host; when "
+                   "unset: the mesh's size, or 8 with a -1 axis)")  # fmt: skip
+
+
 def console(stderr: bool = False) -> Console:
     """A rich console; wide when output goes to a file or pipe so tables are not squeezed."""
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else max(160, shutil.get_terminal_size((160, 24)).columns)
     return Console(file=stream, width=width)
-
-
-_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
-                        "jax_rocm7_plugin", "libtpu")  # fmt: skip
-
-
-def cpu_only() -> bool:
-    """True when JAX can only run on the CPU here (decided without initialising JAX)."""
-    import importlib.util
-    import os
-
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(p) for p in _ACCELERATOR_PLUGINS)
-
-
-def setup_devices(mesh_arg: str | None, devices: int | None) -> MeshSpec:
-    """Fix the device count (simulating CPU devices on a CPU-only host) and resolve the mesh.
-
-    Must run before anything initialises JAX. On a CPU host the simulated count is --devices, or
-    the mesh's size, or 8 when the mesh has a -1 axis or is not given.
-    """
-    spec = MeshSpec.of(mesh_arg) if mesh_arg else MeshSpec(data=-1)
-    if cpu_only():
-        fixed = -1 not in spec.sizes.values()
-        simulate_cpu_devices(devices or (spec.size if fixed else 8))
-    elif devices is not None:
-        raise ValueError("--devices simulates CPU devices and applies only to CPU-only hosts")
-    import jax
-
-    return spec.resolve(jax.device_count())

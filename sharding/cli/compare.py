@@ -44,16 +44,23 @@ def run(args: argparse.Namespace) -> int:
     if args.model not in LM_FAMILIES:
         raise ValueError(
             f"spmdkit compare measures language models ({', '.join(LM_FAMILIES)}); "
-            f"{args.model!r} is compared through the Python API (sharding._compare.measure)"
+            f"{args.model!r} is compared through the Python API (sharding.comparison._measure.measure)"
         )
     setup_devices(args.mesh, args.devices)
 
     import jax
 
     import models
-    from sharding._compare import CompareConfig, Skipped, candidates, measure, reference
-    from sharding._roofline import host_peak
-    from sharding._verdict import comparison_table, recommend
+    from sharding.comparison import (
+        CompareConfig,
+        Skipped,
+        candidates,
+        comparison_table,
+        measure,
+        recommend,
+        reference,
+    )
+    from sharding.inspection import host_peak
 
     out = console()
     fam = models.get_family(args.model)
@@ -130,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         "elapsed_s": elapsed,
     }
     (args.out / "compare.json").write_text(json.dumps(record, indent=2))
-    from sharding._compare_plot import plot
+    from sharding.comparison import plot
 
     plot(results, args.out / "compare.png", title=f"{args.model} {args.size}")
     out.print(f"wrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")

@@ -22,7 +22,7 @@ MAX_AOT_DEVICES = 64
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from partition_rules import STRATEGIES
-    from sharding._costmodel_plan import PROFILES
+    from sharding.costmodel import PROFILES
 
     p = sub.add_parser("plan", help="rank strategies and meshes for N devices from the cost model",
                        description=__doc__)  # fmt: skip
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
         simulate_cpu_devices(args.devices)
     import models
-    from sharding._costmodel_plan import PROFILES, candidates, compile_candidate
+    from sharding.costmodel import PROFILES, candidates, compile_candidate
 
     fam = models.get_family(args.model)
     cfg = fam.config(args.size)
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     seq = args.seq or min(4096, cfg.max_seq_len)
     strategies = tuple(s.strip() for s in args.strategies.split(",")) if args.strategies else None
     start = time.perf_counter()
-    ranked = candidates(args.model, cfg, args.devices, batch, seq, strategies=strategies,
+    ranked = candidates(fam, cfg, args.devices, batch, seq, strategies=strategies,
                         dtype=args.dtype, optimizer=args.optimizer, memory_bytes=memory,
                         profile=profile)  # fmt: skip
     elapsed = time.perf_counter() - start
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             notes.append(f"AOT skipped: {jax.device_count()} devices here, not {args.devices}")
         else:
             for c in [c for c in ranked if c.fits][:aot]:
-                compile_candidate(c, cfg)
+                compile_candidate(c, fam, cfg)
     assumptions = [
         f"device: {profile.describe()}; memory budget {fmt_bytes(memory)} per device",
         "step time = critical-path matmul FLOPs / peak + ring collective time at the bandwidth "

@@ -37,12 +37,11 @@ def run(args: argparse.Namespace) -> int:
 
     import models
     from partition_rules import preset
-    from sharding._checkpoint import Checkpointer
-    from sharding._checkpoint_elastic import reshard_checkpoint
     from sharding._init import abstract_params
     from sharding._mesh import make_mesh
     from sharding._resolve import resolve
     from sharding._units import fmt_bytes
+    from sharding.training import Checkpointer, reshard_checkpoint
 
     if args.src.absolute() == args.dst.absolute():
         raise ValueError(f"reshard: SRC and DST are both {args.src}; give a new directory as DST")

@@ -11,7 +11,6 @@ import json
 import time
 from pathlib import Path
 
-from sharding._distributed import add_distributed_args, init_from_args
 from sharding.cli._common import (
     add_model_args,
     add_pipeline_args,
@@ -20,6 +19,7 @@ from sharding.cli._common import (
     pipeline_spec,
     setup_devices,
 )
+from sharding.training._distributed import add_distributed_args, init_from_args
 
 LM_FAMILIES = ("llama", "gpt2")
 ELASTIC_POLICIES = ("keep-batch", "shrink-batch")
@@ -87,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything below imports JAX; the device count is fixed by now.
     import models
-    from sharding._data import dataset_from_arg, process_batch
     from sharding._mesh import make_mesh
     from sharding.cli._summary import program_summary
+    from sharding.training import dataset_from_arg, process_batch
 
     if args.model not in LM_FAMILIES:
         raise ValueError(
@@ -168,7 +168,7 @@ def run_meta(args, cfg, spec):
     """The `CheckpointMeta` of this run (the step is filled in when saving)."""
     import dataclasses
 
-    from sharding._checkpoint import CheckpointMeta
+    from sharding.training import CheckpointMeta
 
     return CheckpointMeta(
         family=args.model,
@@ -198,8 +198,7 @@ def open_checkpoints(args, cfg, spec, out):
     """
     import dataclasses
 
-    from sharding._checkpoint import Checkpointer, CheckpointMismatchError
-    from sharding._checkpoint_elastic import elastic_batch
+    from sharding.training import Checkpointer, CheckpointMismatchError, elastic_batch
 
     given = [f"--{k.replace('_', '-')}" for k in ("resume", "elastic") if getattr(args, k)]
     if args.checkpoint_dir is None:

@@ -28,13 +28,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from sharding._checkpoint_manifest import (
+from sharding._resolve import path_str
+from sharding.training._manifest import (
     CheckpointError,
     CorruptCheckpointError,
     verify_manifest,
     write_manifest,
 )
-from sharding._resolve import path_str
 
 FORMAT = 1
 

@@ -4,7 +4,7 @@ manual over ``stage`` only, so data, fsdp and tensor stay automatic inside each 
 The stacked layers ``[L, ...]`` (sharded over ``stage`` on the leading axis by the pp presets) are
 viewed as ``[p, L/p, ...]``: stage ``s`` owns a contiguous block of layers and no weight moves.
 Embedding, head and loss stay outside the pipelined region under GSPMD. Activations move to the
-next stage with `lax.ppermute` between ticks; the tick tables come from `sharding._schedule`.
+next stage with `lax.ppermute` between ticks; the tick tables come from `sharding.pipeline._schedule`.
 
 gpipe and circular differentiate through the scan (each stage's body rematerialised, so a stage
 keeps only its inputs per micro-batch). 1f1b runs forward and backward in the same scan: an
@@ -24,14 +24,15 @@ from flax import nnx
 from jax import lax
 from jax import sharding as jshard
 
-from sharding._onefoneb import one_f_one_b
-from sharding._schedule import Schedule, check_layers, make_schedule
+from sharding.pipeline._errors import PipelineError
+from sharding.pipeline._onefoneb import one_f_one_b
+from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
 
 P = jshard.PartitionSpec
-BATCH_AXES = ("data", "fsdp")
+from sharding._mesh import BATCH_AXES  # noqa: E402
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(PipelineError):
     """A pipeline that cannot be laid out on this mesh, preset or batch."""
 
 

@@ -23,10 +23,10 @@ from flax import nnx
 from jax import sharding as jshard
 from rich.table import Table
 
-from sharding._hlo import count_flops
-from sharding._pipeline import PipelineSpec, _apply_layers, scan_pipeline, to_microbatches
-from sharding._schedule import check_layers
 from sharding._units import fmt_bytes, fmt_count
+from sharding.inspection import count_flops
+from sharding.pipeline._scan import PipelineSpec, _apply_layers, scan_pipeline, to_microbatches
+from sharding.pipeline._schedule import check_layers
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ def stage_report(
     head for one micro-batch on one device, so it works for sizes that do not fit here.
 
     Example:
+        >>> from models import llama
         >>> model = nnx.eval_shape(lambda: llama.Model(llama.config("tiny"), rngs=nnx.Rngs(0)))
         >>> stage_report(model, PipelineSpec("1f1b", 8), 2, 4, 128).imbalance  # doctest: +SKIP
         1.06

@@ -1,7 +1,7 @@
 """Rank (strategy, mesh) layouts for a model on N devices from the cost model (`spmdkit plan`).
 
 Every factorisation of the devices over stage, data, fsdp and tensor that a strategy uses and the
-preset's rules divide is predicted with `sharding._costmodel.predict` (remat none and full, for
+preset's rules divide is predicted with `sharding.costmodel._predict.predict` (remat none and full, for
 pipelines gpipe and 1f1b), kept if its estimated memory per device fits, and ranked by an
 estimated step time: matmul FLOPs at the device's peak plus each collective's ring traffic at
 the bandwidth of the links its group spans, with no overlap (a pessimistic bound). Nothing is
@@ -14,14 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import models
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
-from sharding._costmodel import CostModelError, Prediction, predict
 from sharding._mesh import AXES
-from sharding._pipeline import PipelineConfigError
 from sharding._resolve import RuleError
-from sharding._schedule import ScheduleError
 from sharding._units import fmt_bytes
+from sharding.costmodel._predict import CostModelError, Prediction, predict
+from sharding.pipeline import PipelineConfigError, ScheduleError
 
 
 class NoFittingStrategyError(CostModelError):
@@ -151,7 +149,7 @@ def _uses(strategy: str) -> tuple[set[str], set[str]]:
 
 
 def candidates(
-    family: str,
+    family: Any,
     cfg: Any,
     devices: int,
     batch: int,
@@ -170,7 +168,7 @@ def candidates(
         NoFittingStrategyError: layouts exist but none fits; says the smallest memory needed.
     """
     if isinstance(cfg, str):
-        cfg = models.get_family(family).config(cfg)
+        cfg = family.config(cfg)
     names = tuple(strategies or STRATEGIES)
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
@@ -200,7 +198,7 @@ def candidates(
                     out.append(Candidate(pred, fits, compute, comm_seconds(pred, profile)))
     if not out:
         raise NoValidLayoutError(
-            f"{family} {cfg.name}: no strategy of {', '.join(names)} places the model on any "
+            f"{family.NAME} {cfg.name}: no strategy of {', '.join(names)} places the model on any "
             f"factorisation of {devices} devices with batch {batch} (the rules must divide every "
             f"split dimension and data x fsdp must divide the batch); try another --devices or "
             f"--batch"
@@ -210,7 +208,7 @@ def candidates(
         best = min(out, key=lambda c: c.prediction.memory_bytes)
         p = best.prediction
         raise NoFittingStrategyError(
-            f"{family} {cfg.name} (batch {batch} x seq {seq}, {dtype}) fits no strategy on "
+            f"{family.NAME} {cfg.name} (batch {batch} x seq {seq}, {dtype}) fits no strategy on "
             f"{devices} devices of {fmt_bytes(memory_bytes)}: the smallest per-device memory any "
             f"layout needs is {fmt_bytes(p.memory_bytes)} ({p.strategy} on {best.mesh_text}, "
             f"remat {p.remat}); use devices with at least that much memory, more devices, or a "
@@ -229,7 +227,7 @@ def _pipelines(strategy: str, sizes: dict[str, int], batch: int) -> list[Any]:
     return [] if m is None else [(schedule, m, 1) for schedule in ("gpipe", "1f1b")]
 
 
-def compile_candidate(candidate: Candidate, cfg: Any) -> Candidate:
+def compile_candidate(candidate: Candidate, family: Any, cfg: Any) -> Candidate:
     """AOT-compile a candidate on this host's devices from abstract shapes; fill its figures.
 
     Needs ``jax.device_count()`` equal to the mesh size (simulate CPU devices first). Nothing is
@@ -239,11 +237,11 @@ def compile_candidate(candidate: Candidate, cfg: Any) -> Candidate:
 
     from partition_rules import preset
     from sharding._mesh import make_mesh
-    from sharding._pipeline import PipelineSpec
     from sharding._step import compile_train_step
+    from sharding.pipeline import PipelineSpec
 
     p = candidate.prediction
-    fam = models.get_family(p.family)
+    fam = family
     spec = None
     if p.pipeline:
         spec = PipelineSpec(p.pipeline["name"], p.pipeline["microbatches"],

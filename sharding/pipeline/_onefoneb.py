@@ -1,6 +1,6 @@
 """1F1B in one SPMD program: forward and backward of every micro-batch in a single `lax.scan`.
 
-Each tick every stage looks up its action in the schedule table (`sharding._schedule`) and runs
+Each tick every stage looks up its action in the schedule table (`sharding.pipeline._schedule`) and runs
 one branch of a `lax.switch`: idle, the forward of a micro-batch, or its backward as an explicit
 VJP of the stage (recomputed from the stored stage input, so a stage holds at most p inputs
 instead of GPipe's m). The last stage applies the head and the per-micro-batch loss inside its
@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax import sharding as jshard
 
-from sharding._schedule import Kind, Schedule
+from sharding.pipeline._schedule import Kind, Schedule
 
 P = jshard.PartitionSpec
 _CODES = {Kind.IDLE: 0, Kind.FORWARD: 1, Kind.BACKWARD: 2}

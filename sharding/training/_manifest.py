@@ -12,12 +12,14 @@ import os
 import zlib
 from pathlib import Path
 
+from sharding.training._errors import TrainingError
+
 MANIFEST = "spmdkit_manifest.json"
 ITEMS = ("state", "meta")
 MANIFEST_FORMAT = 1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TrainingError):
     """A checkpoint that cannot be saved or restored as asked."""
 
 

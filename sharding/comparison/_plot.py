@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sharding._compare import Result
+from sharding.comparison._measure import Result
 
 __all__ = ["plot"]
 

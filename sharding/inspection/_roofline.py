@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import sharding as jshard
 
+from sharding.inspection._errors import InspectionError
+
 __all__ = [
     "PEAK_FLOPS",
     "Peak",
@@ -49,7 +51,7 @@ PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 
-class UnknownDeviceKindError(ValueError):
+class UnknownDeviceKindError(InspectionError):
     """No peak FLOP/s is known for this accelerator."""
 
 

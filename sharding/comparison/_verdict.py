@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from sharding._compare import Result
 from sharding._units import fmt_bytes, fmt_count
+from sharding.comparison._measure import Result
 
 __all__ = ["SPLITS", "Recommendation", "comparison_table", "recommend"]
 

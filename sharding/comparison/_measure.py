@@ -19,8 +19,8 @@ import optax
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES, preset
 from sharding._init import state_bytes
 from sharding._mesh import MeshSpec
-from sharding._pipeline import PipelineSpec
-from sharding._roofline import Peak, mfu
+from sharding.inspection import Peak, mfu
+from sharding.pipeline import PipelineSpec
 
 __all__ = [
     "Candidate",

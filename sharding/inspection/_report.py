@@ -1,6 +1,6 @@
 """What a compiled program does per device: collectives, memory, FLOPs, compile time.
 
-Every figure is read from the compiled program itself (see `sharding._hlo` for the collective
+Every figure is read from the compiled program itself (see `sharding.inspection._hlo` for the collective
 conventions), so it is deterministic and testable.
 """
 
@@ -17,7 +17,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from sharding._hlo import (
+from sharding._mesh import mesh_sizes
+from sharding._units import fmt_bytes, fmt_count
+from sharding.inspection._hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
     CollectiveSummary,
@@ -26,8 +28,6 @@ from sharding._hlo import (
     parse_collectives,
     summarize,
 )
-from sharding._mesh import mesh_sizes
-from sharding._units import fmt_bytes, fmt_count
 
 __all__ = [
     "COLLECTIVE_KINDS",

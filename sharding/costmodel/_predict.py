@@ -4,7 +4,7 @@
 kind and mesh axes, parameter / optimizer / gradient memory, matmul FLOPs, pipeline bubble)
 without compiling anything: parameter placement comes from the abstract parameter tree and the
 preset's rules (as `explain` does), so a 70B model on 512 devices is answered in milliseconds.
-Collectives are in `sharding._costmodel_comm`; tests/test_costmodel.py holds every figure
+Collectives are in `sharding.costmodel._traffic`; tests/test_costmodel.py holds every figure
 against compiled programs.
 
 Memory beyond the train state is an estimate: activations saved for backward (per token per
@@ -26,16 +26,15 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-import models
 from partition_rules import PIPELINE_STRATEGIES, preset
-from sharding._costmodel_comm import Param, Traffic, classify, tied, traffic
-from sharding._hlo import COLLECTIVE_KINDS
+from sharding._errors import SpmdkitError
 from sharding._init import abstract_params
 from sharding._mesh import MeshSpec
-from sharding._pipeline import PipelineSpec, check_pipeline
-from sharding._resolve import plan as place
-from sharding._schedule import Schedule
+from sharding._resolve import place
 from sharding._units import fmt_bytes, fmt_count
+from sharding.costmodel._traffic import Param, Traffic, classify, tied, traffic
+from sharding.inspection import COLLECTIVE_KINDS
+from sharding.pipeline import PipelineSpec, Schedule, check_pipeline
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Optimizer state per parameter byte (float32 moments shaped like the parameters).
@@ -49,7 +48,7 @@ LOGIT_COPIES = 3  # logits, log-softmax and its cotangent, float32
 PIPELINE_FIELDS = ("name", "microbatches", "repeats", "ticks")
 
 
-class CostModelError(ValueError):
+class CostModelError(SpmdkitError):
     """Arguments the cost model cannot predict for."""
 
 
@@ -175,9 +174,8 @@ class Prediction:
 
 
 @functools.lru_cache(maxsize=32)
-def _abstract(family: str, cfg: Any) -> Any:
-    fam = models.get_family(family)
-    return abstract_params(lambda: fam.Model(cfg, rngs=nnx.Rngs(0)))[1]
+def _abstract(family: Any, cfg: Any) -> Any:
+    return abstract_params(lambda: family.Model(cfg, rngs=nnx.Rngs(0)))[1]
 
 
 def _pipeline_args(pipeline: Any) -> tuple[str, int, int] | None:
@@ -190,7 +188,7 @@ def _pipeline_args(pipeline: Any) -> tuple[str, int, int] | None:
 
 
 def setup(
-    family: str,
+    family: Any,
     cfg: Any,
     strategy: str,
     mesh_sizes: dict[str, int],
@@ -202,12 +200,17 @@ def setup(
     remat: str = "none",
 ) -> Setup:
     """Validate the arguments and place the parameters; see `predict`."""
-    if family not in LM_FAMILIES:
+    if isinstance(family, str):
         raise CostModelError(
-            f"the cost model covers the language-model families {LM_FAMILIES}, not {family!r}"
+            f"family {family!r}: pass the family module itself (e.g. models.{family}), not its name"
+        )
+    name = family.NAME
+    if name not in LM_FAMILIES:
+        raise CostModelError(
+            f"the cost model covers the language-model families {LM_FAMILIES}, not {name!r}"
         )
     if isinstance(cfg, str):
-        cfg = models.get_family(family).config(cfg)
+        cfg = family.config(cfg)
     if dtype not in DTYPE_BYTES:
         raise CostModelError(f"unknown dtype {dtype!r}; choose one of {list(DTYPE_BYTES)}")
     if remat not in ("none", "full"):
@@ -229,13 +232,13 @@ def setup(
             f"global batch {batch} is not divisible by data x fsdp = {split}; use a multiple of "
             f"{split}"
         )
-    rules, axis_map = preset(family, strategy)
+    rules, axis_map = preset(name, strategy)
     schedule = None
     if args is not None:  # the very checks compile_train_step makes
         mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
         schedule = check_pipeline(PipelineSpec(*args), mesh, axis_map, cfg.n_layers, batch)
     placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
-    return Setup(family, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
+    return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
                  classify(placements, sizes), schedule, remat)  # fmt: skip
 
 
@@ -300,7 +303,7 @@ def _flops(s: Setup, rows: int) -> tuple[float, float]:
 
 
 def predict(
-    family: str,
+    family: Any,
     cfg: Any,
     strategy: str,
     mesh_sizes: dict[str, int],
@@ -315,7 +318,8 @@ def predict(
     """Predict one training step's per-device costs, without devices or compilation.
 
     Args:
-        family, cfg: a language-model family ("llama", "gpt2") and its Config (or size name).
+        family, cfg: a language-model family (the module `models.llama` or `models.gpt2`, or any
+            object with the same `NAME`, `Model` and `config`) and its Config (or size name).
         strategy: a preset name (`partition_rules.STRATEGIES`).
         mesh_sizes: axis sizes, e.g. ``{"fsdp": 64, "tensor": 8}`` (missing axes are 1).
         batch, seq: global batch (sequences per step) and sequence length.
@@ -325,7 +329,7 @@ def predict(
         remat: "none" or "full" (each layer recomputed in backward).
 
     Example:
-        >>> pred = predict("llama", "70b", "fsdp_tp", {"fsdp": 64, "tensor": 8}, 512, 4096,
+        >>> pred = predict(models.llama, "70b", "fsdp_tp", {"fsdp": 64, "tensor": 8}, 512, 4096,
         ...                dtype="bfloat16", remat="full")  # doctest: +SKIP
         >>> fmt_bytes(pred.memory_bytes), fmt_bytes(pred.collective_bytes())  # doctest: +SKIP
     """
@@ -369,7 +373,7 @@ def predict(
     notes = ["1f1b: FLOPs count what runs (a compiled count charges every branch of a tick)"]
     notes = notes if sched is not None and sched.name == "1f1b" else []
     return Prediction(
-        family=family,
+        family=family.NAME,
         size=getattr(cfg, "name", "?"),
         strategy=strategy,
         mesh=dict(sz),

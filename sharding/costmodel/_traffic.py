@@ -1,6 +1,6 @@
 """Collective bytes per device per step, in closed form from the placed parameter tree.
 
-The conventions are `sharding._hlo`'s: an all-gather moves its *output*, every other collective
+The conventions are `sharding.inspection._hlo`'s: an all-gather moves its *output*, every other collective
 its *operand*; a collective inside the layer scan runs once per layer. The terms follow what the
 SPMD partitioner emits for spmdkit's step (jax 0.10, measured on the tests' programs, checked by
 tests/test_costmodel.py), not an idealised Megatron/ZeRO count; where the two differ the term
@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-BATCH_AXES = ("data", "fsdp")
+from sharding._mesh import BATCH_AXES
+
 # Per-row softmax statistics a vocabulary-split head all-reduces over tensor (max, sum of exps,
 # the target logit, and the backward's sum), each float32 [rows, seq].
 HEAD_STAT_REDUCTIONS = 4
@@ -105,7 +106,7 @@ class _Sink(list):
 
 
 def traffic(s: Any) -> list[Traffic]:
-    """Every collective of one training step of setup ``s`` (a `sharding._costmodel.Setup`)."""
+    """Every collective of one training step of setup ``s`` (a `sharding.costmodel._predict.Setup`)."""
     out = _Sink()
     sz = s.sizes
     d, f = sz.get("data", 1), sz.get("fsdp", 1)

@@ -38,10 +38,12 @@ from typing import Any, NamedTuple
 from rich.table import Table
 from rich.text import Text
 
+from sharding.pipeline._errors import PipelineError
+
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(PipelineError):
     """A pipeline schedule that cannot be built as asked."""
 
 

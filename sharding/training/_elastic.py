@@ -21,9 +21,9 @@ from typing import Any
 import jax
 from jax import sharding as jshard
 
-from sharding._checkpoint import Checkpointer, CheckpointError, CheckpointMeta
 from sharding._mesh import mesh_sizes
 from sharding._step import BATCH_AXES, shardings_like_params
+from sharding.training._checkpoint import Checkpointer, CheckpointError, CheckpointMeta
 
 ELASTIC_POLICIES = ("keep-batch", "shrink-batch")
 

@@ -22,12 +22,14 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from sharding.training._errors import TrainingError
+
 BYTE_VOCAB = 256
 _SUFFIX_DTYPES = {".u16": np.dtype("<u2"), ".bin": np.dtype("<u2"), ".u32": np.dtype("<u4")}
 _OPS = np.array(["+", "-", "*"])
 
 
-class DataError(ValueError):
+class DataError(TrainingError):
     """Data that cannot feed training as asked."""
 
 
@@ -282,7 +284,7 @@ def process_batch(
     Example:
         >>> import jax
         >>> from jax import sharding as jshard
-        >>> from sharding._data import ArithmeticText
+        >>> from sharding.training._data import ArithmeticText
         >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jshard.AxisType.Auto,))
         >>> s = jshard.NamedSharding(mesh, jshard.PartitionSpec("data"))
         >>> process_batch(ArithmeticText(), 0, 2, 4, {"inputs": s, "targets": s})["inputs"].shape

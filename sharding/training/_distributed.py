@@ -25,12 +25,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sharding.training._errors import TrainingError
+
 HEARTBEAT_TIMEOUT_S = 10
 INIT_TIMEOUT_S = 120
 DEFAULT_GLOBAL_CPU_DEVICES = 8
 
 
-class DistributedConfigError(ValueError):
+class DistributedConfigError(TrainingError):
     """The multi-process settings (flags or environment) are incomplete or inconsistent."""
 
 
@@ -214,8 +216,8 @@ def init_from_args(args: argparse.Namespace) -> ProcessGroup | None:
     group = resolve_process_group(args.coordinator, args.num_processes, args.process_id)
     if group is None:
         return None
+    from sharding._devices import cpu_only
     from sharding._mesh import MeshSpec
-    from sharding.cli._common import cpu_only
 
     cpu_devices = None
     if cpu_only():

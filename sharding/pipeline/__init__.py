@@ -1,0 +1,56 @@
+"""Pipeline parallelism in one SPMD program: schedule tables, the scan pipeline, 1F1B, stages.
+
+`make_schedule` builds a pure table of what every stage does at every tick (`render` draws it);
+`PipelineSpec` asks `compile_train_step` to pipeline the stacked layers over the ``stage`` mesh
+axis under that schedule; `stage_report` and `stack_flop_overhead` show how the stages are
+loaded and what the bubble costs in FLOPs. Every error is a `PipelineError`.
+"""
+
+from sharding.pipeline._errors import PipelineError
+from sharding.pipeline._scan import (
+    PipelineConfigError,
+    PipelineSpec,
+    check_pipeline,
+    pipelined_loss,
+)
+from sharding.pipeline._schedule import (
+    SCHEDULES,
+    Action,
+    Kind,
+    LayerCountError,
+    RepeatsError,
+    Schedule,
+    ScheduleError,
+    ScheduleSizeError,
+    TooFewMicrobatchesError,
+    UnknownScheduleError,
+    check_layers,
+    make_schedule,
+    render,
+)
+from sharding.pipeline._stages import StageLoad, StageReport, stack_flop_overhead, stage_report
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Kind",
+    "LayerCountError",
+    "PipelineConfigError",
+    "PipelineError",
+    "PipelineSpec",
+    "RepeatsError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleSizeError",
+    "StageLoad",
+    "StageReport",
+    "TooFewMicrobatchesError",
+    "UnknownScheduleError",
+    "check_layers",
+    "check_pipeline",
+    "make_schedule",
+    "pipelined_loss",
+    "render",
+    "stack_flop_overhead",
+    "stage_report",
+]
