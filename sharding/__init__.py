@@ -15,6 +15,7 @@ base per concept.
 """
 
 from sharding import comparison, costmodel, inspection, pipeline, training
+from sharding._checks import ArgumentTypeError, StepArgumentError
 from sharding._devices import cpu_only, setup_devices
 from sharding._errors import SpmdkitError
 from sharding._explain import Explanation, explain
@@ -62,6 +63,7 @@ __all__ = [
     "AXES",
     "BATCH_AXES",
     "AccumulationError",
+    "ArgumentTypeError",
     "BatchShardingError",
     "DuplicateMeshAxisError",
     "Explanation",
@@ -77,6 +79,7 @@ __all__ = [
     "RuleError",
     "SizeFormatError",
     "SpmdkitError",
+    "StepArgumentError",
     "StepConfigError",
     "TrainProgram",
     "UnknownLogicalAxisError",

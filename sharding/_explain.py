@@ -16,6 +16,9 @@ from rich.table import Table
 from rich.text import Text
 
 from partition_rules import AxisMap, Rules
+from sharding._checks import check_mesh, check_rules
+from sharding._init import abstract_params as abstract_params_of
+from sharding._mesh import MeshSpec
 from sharding._resolve import Placement, place
 from sharding._units import fmt_bytes, fmt_count
 
@@ -71,6 +74,10 @@ class Explanation:
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **{"indent": 1, **kwargs})
+
+    def table(self) -> Group:
+        """The placement table and the per-device totals, as a rich renderable."""
+        return self.__rich__()
 
     def __rich__(self) -> Group:
         mesh_txt = ",".join(f"{k}={v}" for k, v in self.mesh.items())
@@ -136,9 +143,14 @@ def _txt(entry: Any) -> str:
 def explain(
     rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: Any, *, title: str = ""
 ) -> Explanation:
-    """Per-parameter placement table and per-device totals, as data (render it with rich).
+    """Which rule placed each parameter, and the memory per device it implies: `spmdkit explain`.
 
-    `mesh` may be a jax Mesh or a resolved `MeshSpec` (no devices needed). Raises the same
+    Per-parameter placement table and per-device totals, as data (`print()` renders it with rich,
+    `to_json()` for machines). ``abstract_params`` is a parameter tree (arrays or
+    `ShapeDtypeStruct`s), or a zero-argument function returning an `nnx.Module`, which is
+    evaluated abstractly: no memory, any model size.
+
+    `mesh` may be a jax Mesh, a resolved `MeshSpec` or a spec string (no devices needed). Raises the same
     `RuleError`s as `resolve`.
 
     Example:
@@ -146,5 +158,11 @@ def explain(
         >>> ex = explain(*preset("llama", "fsdp_tp"), params, MeshSpec(fsdp=64, tensor=8))  # doctest: +SKIP
         >>> ex.totals["state_bytes_per_device"]  # doctest: +SKIP
     """
+    if callable(abstract_params):
+        abstract_params = abstract_params_of(abstract_params)[1]
+    if isinstance(mesh, str):  # a spec string needs no devices either
+        mesh = MeshSpec.parse(mesh)
+    check_rules("explain", rules, axis_map)
+    check_mesh("explain", mesh, spec_ok=True)
     p = place(rules, axis_map, abstract_params, mesh)
     return Explanation(mesh=p.sizes, rows=p.placements, unused_rules=p.unused_rules, title=title)

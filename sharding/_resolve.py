@@ -18,8 +18,9 @@ import numpy as np
 from jax import sharding as jshard
 
 from partition_rules import AxisMap, Rules
+from sharding._checks import check_mesh, check_rules
 from sharding._errors import SpmdkitError
-from sharding._mesh import MeshSpec, mesh_sizes
+from sharding._mesh import mesh_sizes
 
 
 class RuleError(SpmdkitError):
@@ -243,7 +244,12 @@ class Placements:
 
 
 def place(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: Any) -> Placements:
-    """Check and place every parameter; raise one `RuleError` listing every problem."""
+    """Check and place every parameter; raise one `RuleError` listing every problem.
+
+    ``mesh`` is a jax Mesh, an AbstractMesh or a resolved `MeshSpec` (no devices needed).
+    """
+    check_rules("place", rules, axis_map)
+    check_mesh("place", mesh, spec_ok=True)
     sizes = mesh_sizes(mesh)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     placements: list[Placement] = []
@@ -310,10 +316,8 @@ def resolve(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: jshard.
         >>> from partition_rules import preset
         >>> shardings = resolve(*preset("llama", "fsdp_tp"), params, mesh)  # doctest: +SKIP
     """
-    if isinstance(mesh, MeshSpec):
-        raise TypeError(
-            "resolve() needs a jax Mesh (use make_mesh(spec)); explain() accepts a MeshSpec"
-        )
+    check_rules("resolve", rules, axis_map)
+    check_mesh("resolve", mesh)
     p = place(rules, axis_map, abstract_params, mesh)
     shardings = [jshard.NamedSharding(mesh, pl.partition_spec()) for pl in p.placements]
     return jax.tree_util.tree_unflatten(p.treedef, shardings)

@@ -22,7 +22,16 @@ from flax import nnx
 from jax import sharding as jshard
 
 from partition_rules import AxisMap, Rules
-from sharding._errors import SpmdkitError
+from sharding._checks import (
+    StepConfigError,
+    check_batch_shapes,
+    check_callable,
+    check_clip,
+    check_mesh,
+    check_optimizer,
+    check_positive_int,
+    check_rules,
+)
 from sharding._init import abstract_params
 from sharding._mesh import BATCH_AXES
 from sharding._resolve import path_str, resolve
@@ -30,10 +39,6 @@ from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
 
 REMAT_POLICIES = ("none", "full", "dots")
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-class StepConfigError(SpmdkitError):
-    """A training-step configuration that cannot be compiled as asked."""
 
 
 class BatchShardingError(StepConfigError):
@@ -278,6 +283,20 @@ def compile_train_step(
         >>> state = program.init(seed=0)  # doctest: +SKIP
         >>> state, metrics = program.step(state, batch)  # doctest: +SKIP
     """
+    fn = "compile_train_step"
+    check_callable(fn, "make_model", make_model, "a function rngs -> nnx.Module")
+    check_callable(fn, "loss_fn", loss_fn, "a loss function (model, batch, *, remat) -> scalar")
+    check_optimizer(fn, optimizer)
+    check_rules(fn, rules, axis_map)
+    check_mesh(fn, mesh)
+    check_batch_shapes(fn, batch_shapes)
+    check_positive_int(fn, "accum_steps", accum_steps)
+    check_clip(fn, clip_norm)
+    if pipeline is not None and not isinstance(pipeline, PipelineSpec):
+        raise StepConfigError(
+            f"{fn}(pipeline={pipeline!r}): expected a sharding.pipeline.PipelineSpec or None, e.g. "
+            f"PipelineSpec('1f1b', microbatches=8)"
+        )
     if compute_dtype not in COMPUTE_DTYPES:
         raise StepConfigError(
             f"unknown compute dtype {compute_dtype!r}; choose one of {list(COMPUTE_DTYPES)}"

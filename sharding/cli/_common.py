@@ -10,7 +10,7 @@ from rich.console import Console
 
 import models
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
-from sharding._devices import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
+from sharding import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
 from sharding.pipeline import SCHEDULES
 
 

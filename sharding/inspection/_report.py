@@ -147,15 +147,21 @@ class ProgramReport:
         if not all(op.exact for op in self.collectives):
             lines.append("* counting conditional branches as taken, unknown loops as run once")
         if m := self.memory:
-            peak = "" if m.peak is None else f", peak {fmt_bytes(m.peak)}"
             lines.append(
-                f"memory/device: arguments {fmt_bytes(m.argument)}, outputs {fmt_bytes(m.output)}"
-                f", temp {fmt_bytes(m.temp)}{peak}"
+                f"memory/device: {fmt_bytes(m.allocated)} allocated = arguments "
+                f"{fmt_bytes(m.argument)} + outputs not aliased to them "
+                f"{fmt_bytes(m.output - m.alias)} + temporaries {fmt_bytes(m.temp)}"
+            )
+        if self.matmul_flops is not None:
+            lines.append(
+                f"matmul FLOPs/device (loop-aware): {fmt_count(self.matmul_flops)} per step "
+                f"(dots and convolutions, every loop iteration counted)"
             )
         if self.flops is not None:
-            lines.append(f"FLOPs/device: {fmt_count(self.flops)}")
-        if self.matmul_flops is not None:
-            lines.append(f"matmul FLOPs/device (loop-aware): {fmt_count(self.matmul_flops)}")
+            lines.append(
+                f"XLA's cost estimate: {fmt_count(self.flops)} FLOPs/device (all ops, but a "
+                f"loop's body counted once)"
+            )
         if self.compile_time_s is not None:
             lines.append(f"compile time: {self.compile_time_s:.2f} s")
         lines += [f"{k}: {v}" for k, v in self.extra.items()]
