@@ -34,6 +34,7 @@ from sharding._mesh import (
     mesh_text,
     simulate_cpu_devices,
 )
+from sharding._recipe import build_program, pipeline_for
 from sharding._resolve import (
     DuplicateMeshAxisError,
     IndivisibleDimensionError,
@@ -87,6 +88,7 @@ __all__ = [
     "UnknownMeshAxisNameError",
     "UnmatchedParameterError",
     "abstract_params",
+    "build_program",
     "comparison",
     "compile_train_step",
     "costmodel",
@@ -102,6 +104,7 @@ __all__ = [
     "parse_bytes",
     "path_str",
     "pipeline",
+    "pipeline_for",
     "place",
     "remat_wrapper",
     "resolve",

@@ -114,10 +114,6 @@ def path_str(key_path: tuple) -> str:
     return "/".join(parts)
 
 
-def _fmt_spec(spec: tuple) -> str:
-    return "P(" + ", ".join(repr(s) for s in spec) + ")"
-
-
 def _place(
     path: str,
     shape: tuple[int, ...],
@@ -324,7 +320,8 @@ def resolve(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: jshard.
 
 
 def shard_abstract(abstract_params: Any, shardings: Any) -> Any:
-    """`ShapeDtypeStruct`s of `abstract_params` carrying `shardings` (for AOT lowering)."""
+    """`ShapeDtypeStruct`s of any tree (parameters, train state, batch) carrying `shardings`:
+    what `jit(...).lower` takes to compile ahead of time without materialising anything."""
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, shardings
     )

@@ -34,7 +34,7 @@ from sharding._checks import (
 )
 from sharding._init import abstract_params
 from sharding._mesh import BATCH_AXES
-from sharding._resolve import path_str, resolve
+from sharding._resolve import path_str, resolve, shard_abstract
 from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
 
 REMAT_POLICIES = ("none", "full", "dots")
@@ -180,8 +180,8 @@ class TrainProgram:
     def compiled(self) -> Any:
         if self._compiled is None:
             args = (
-                _with_shardings(self.abstract_state, self.state_shardings),
-                _with_shardings(self.batch_shapes, self.batch_shardings),
+                shard_abstract(self.abstract_state, self.state_shardings),
+                shard_abstract(self.batch_shapes, self.batch_shardings),
             )
             start = time.perf_counter()
             self._compiled = self._step_fn.lower(*args).compile()
@@ -203,8 +203,8 @@ class TrainProgram:
     def lower_eval(self) -> Any:
         """The forward-only program, lowered from abstract shapes (for inspection)."""
         return self._eval_fn.lower(
-            _with_shardings(self.abstract_state["params"], self.param_shardings),
-            _with_shardings(self.batch_shapes, self.batch_shardings),
+            shard_abstract(self.abstract_state["params"], self.param_shardings),
+            shard_abstract(self.batch_shapes, self.batch_shardings),
         )
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
@@ -231,12 +231,6 @@ class TrainProgram:
 
 def _placed(x: Any, sharding: jshard.NamedSharding) -> bool:
     return isinstance(x, jax.Array) and x.sharding == sharding
-
-
-def _with_shardings(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
-    )
 
 
 def compile_train_step(

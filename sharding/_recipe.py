@@ -1,0 +1,120 @@
+"""The one recipe that turns (model family, strategy, mesh, batch) into a compiled train step.
+
+`compare` measures with it, `plan --aot` compiles with it and `fit` trains with it, so the three
+always build the same program for the same settings: the family's preset rules under the named
+strategy, the batch shapes for a global batch and sequence length, and, for a pipeline strategy,
+a `PipelineSpec` from the family's pipeline pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+from jax import sharding as jshard
+
+from partition_rules import PIPELINE_STRATEGIES, preset
+from sharding._mesh import MeshSpec, make_mesh
+from sharding._step import StepConfigError, TrainProgram, compile_train_step
+from sharding.pipeline import PipelineSpec
+
+
+def pipeline_for(
+    family: Any,
+    strategy: str,
+    stages: int,
+    *,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    repeats: int | None = None,
+) -> PipelineSpec | None:
+    """The `PipelineSpec` a strategy needs on ``stages`` stages (None for a non-pipeline one).
+
+    Defaults: gpipe, 2 x stages micro-batches, 2 repeats for circular. Asking for a schedule,
+    micro-batches or repeats under a strategy that does not pipeline is an error, and so is a
+    pipeline strategy on a mesh without stages: neither is silently ignored.
+
+    Example:
+        >>> from models import llama
+        >>> pipeline_for(llama, "pp", 4, schedule="1f1b").microbatches
+        8
+    """
+    asked = [f"--{k}" for k, v in (("schedule", schedule), ("microbatches", microbatches),
+                                   ("repeats", repeats)) if v is not None]  # fmt: skip
+    if strategy not in PIPELINE_STRATEGIES:
+        if asked:
+            raise StepConfigError(
+                f"{', '.join(asked)} configure a pipeline, but strategy {strategy!r} does not "
+                f"pipeline; use one of {sorted(PIPELINE_STRATEGIES)} with a 'stage' mesh axis"
+            )
+        return None
+    if stages < 2:
+        raise StepConfigError(
+            f"strategy {strategy!r} pipelines the layer stack over the 'stage' mesh axis, but the "
+            f"mesh has stage={stages}; add stage=N with N >= 2 to --mesh, e.g. 'stage=2,data=4'"
+        )
+    schedule = schedule or "gpipe"
+    return PipelineSpec(
+        schedule=schedule,
+        microbatches=microbatches or 2 * stages,
+        repeats=repeats or (2 if schedule == "circular" else 1),
+        input_key=family.INPUT,
+        loss_from_logits=family.loss_from_logits,
+    )
+
+
+def build_program(
+    family: Any,
+    cfg: Any,
+    strategy: str,
+    mesh: jshard.Mesh | MeshSpec | str,
+    *,
+    batch: int,
+    seq: int,
+    optimizer: optax.GradientTransformation | None = None,
+    accum_steps: int = 1,
+    compute_dtype: str = "float32",
+    remat: str = "none",
+    clip_norm: float | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    repeats: int | None = None,
+    devices: list | None = None,
+) -> TrainProgram:
+    """The train step of ``family`` (a model family module, e.g. `models.llama`) under a preset.
+
+    Nothing compiles until the program is first used (``program.compiled``, ``report()``,
+    ``step``), so ``program.abstract_state`` sizes any model first.
+
+    Args:
+        family, cfg: the family module and its `Config`.
+        strategy: a preset name (`partition_rules.STRATEGIES`).
+        mesh: a jax Mesh, or a spec built over ``devices`` (default: all devices).
+        batch, seq: global batch (sequences per step) and sequence length.
+        optimizer: default ``optax.adamw(1e-3)``.
+        accum_steps, compute_dtype, remat, clip_norm: as in `compile_train_step`.
+        schedule, microbatches, repeats: the pipeline (see `pipeline_for`).
+
+    Example:
+        >>> from models import llama
+        >>> program = build_program(llama, llama.config("tiny"), "fsdp", "fsdp=8",
+        ...                         batch=16, seq=32)  # doctest: +SKIP
+    """
+    if not isinstance(mesh, jshard.Mesh):
+        mesh = make_mesh(mesh, devices)
+    stages = dict(mesh.shape).get("stage", 1)
+    pipeline = pipeline_for(family, strategy, stages, schedule=schedule,
+                            microbatches=microbatches, repeats=repeats)  # fmt: skip
+    return compile_train_step(
+        lambda rngs: family.Model(cfg, rngs=rngs),
+        family.loss,
+        optax.adamw(1e-3) if optimizer is None else optimizer,
+        *preset(family.NAME, strategy),
+        mesh,
+        family.batch_shapes(cfg, batch, seq),
+        accum_steps=accum_steps,
+        compute_dtype=compute_dtype,
+        remat=remat,
+        clip_norm=clip_norm,
+        pipeline=pipeline,
+    )
