@@ -1,9 +1,15 @@
 """Flax NNX model families with stacked (scannable, pipeline-cuttable) layers and no device logic.
 
-Every family module has the same interface: `Config`, `SIZES`, `config(size, **overrides)`,
-`Model(cfg, rngs=...)` with `embed(inputs) -> h`, `layers` (stacked blocks), `head(h) -> logits`,
-`loss(model, batch)`, `loss_from_logits(logits, batch)`, `batch_shapes(cfg, batch_size, seq_len)`,
-`make_batch(cfg, batch_size, seq_len, key=...)` and `param_count(cfg)`.
+Every family module has the same interface: `NAME`, `INPUT`, `Config`, `SIZES`,
+`config(size, **overrides)`, `Model(cfg, rngs=...)` with `embed(inputs) -> h`, `layers` (stacked
+blocks), `head(h) -> logits`, `loss(model, batch)`, `loss_from_logits(logits, batch)`,
+`batch_shapes(cfg, batch_size, seq_len)`, `make_batch(cfg, batch_size, seq_len, key=...)`,
+`check_batch(cfg, batch)` (refuses a host batch the model cannot compute on, e.g. token ids past
+the vocabulary, which a jitted step would turn into a NaN loss) and `param_count(cfg)`.
+
+`models.layers` holds the building blocks for families of your own, `models.hf` the Hugging Face
+loader. Nothing here knows of meshes or partition rules: placement is the caller's argument.
+Errors for input a family cannot take are `ModelError`s (`ValueError`s).
 
 Example:
     >>> from flax import nnx
@@ -14,30 +20,39 @@ Example:
     True
 """
 
-from models import cnn, gpt2, llama, mlp
-from models._hf import (
+from models import cnn, gpt2, layers, llama, mlp
+from models._errors import BatchError, ModelConfigError, ModelError, UnknownFamilyError
+from models._registry import FAMILIES, build_config, get_family
+from models.hf import (
     HFCheckpointNotFoundError,
+    HFCorruptFileError,
     HFError,
     HFExportError,
     HFTensorMismatchError,
     PickleCheckpointError,
     UnsupportedHFConfigError,
 )
-from models._layers import scan_layers
-from models._registry import FAMILIES, build_config, get_family
+from models.layers import scan_layers
 
 __all__ = [
     "FAMILIES",
+    "BatchError",
     "HFCheckpointNotFoundError",
+    "HFCorruptFileError",
     "HFError",
     "HFExportError",
     "HFTensorMismatchError",
+    "ModelConfigError",
+    "ModelError",
     "PickleCheckpointError",
+    "UnknownFamilyError",
     "UnsupportedHFConfigError",
     "build_config",
     "cnn",
     "get_family",
     "gpt2",
+    "hf",
+    "layers",
     "llama",
     "mlp",
     "scan_layers",

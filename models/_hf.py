@@ -1,11 +1,13 @@
 """Hugging Face checkpoints (config.json + safetensors) <-> our stacked parameter trees.
 
-Shared machinery for `models._hf_llama` and `models._hf_gpt2`: a reader for a local HF directory
-(one `model.safetensors`, or shards listed by `model.safetensors.index.json`), the `Source` that
-says where one of our parameters lives in it (name, view, transpose, fused slot), and the loader
-that builds every parameter straight into its target sharding: each device's callback reads only
-its own slice of each tensor (`safe_open(..., framework="numpy").get_slice`), so no host ever
-holds the whole model. Pickle files (`.bin`, `.pt`, `.pth`) are refused, never opened.
+The pieces behind `models.hf` (which adds `load`, `save` and the llama / gpt2 mappings): a reader
+for a local HF directory (one `model.safetensors`, or shards listed by
+`model.safetensors.index.json`), the `Source` that says where one of our parameters lives in it
+(name, view, transpose, fused slot), and the `Family` descriptor. The loader builds every
+parameter straight into its target sharding: each device's callback reads only its own slice of
+each tensor (`safe_open(..., framework="numpy").get_slice`), so no host ever holds the whole
+model. Pickle files (`.bin`, `.pt`, `.pth`) are refused, never opened. Where parameters go is the
+caller's argument (`shardings`): nothing here knows of meshes or rules.
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ import contextlib
 import json
 import math
 import pathlib
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors import SafetensorError, safe_open
+
+from models._errors import ModelError
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -61,12 +62,16 @@ GENERIC_KEYS = frozenset(
 )
 
 
-class HFError(ValueError):
+class HFError(ModelError):
     """A Hugging Face checkpoint that cannot be read into (or written from) our model."""
 
 
 class HFCheckpointNotFoundError(HFError):
     """The path is not a directory with config.json and safetensors weights."""
+
+
+class HFCorruptFileError(HFError):
+    """A checkpoint file that cannot be parsed: invalid JSON, a truncated or damaged shard."""
 
 
 class PickleCheckpointError(HFError):
@@ -82,7 +87,7 @@ class HFTensorMismatchError(HFError):
 
 
 class HFExportError(HFError):
-    """`to_hf` cannot write the checkpoint (wrong model, stale shards in the directory)."""
+    """`to_hf` cannot write the checkpoint (wrong model, a directory that is not empty)."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,7 @@ class Checkpoint:
                 f"{path}: no {CONFIG}; a Hugging Face checkpoint directory holds {CONFIG} beside "
                 f"its weights"
             )
-        self.config: dict[str, Any] = json.loads((path / CONFIG).read_text())
+        self.config: dict[str, Any] = read_json(path / CONFIG)
         self.files = self._weight_map()
         self._stack = contextlib.ExitStack()
         self._open: dict[str, Any] = {}
@@ -185,7 +190,7 @@ class Checkpoint:
     def _weight_map(self) -> dict[str, str]:
         path = self.path
         if (path / INDEX).is_file():
-            weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+            weight_map = read_json(path / INDEX).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise HFCheckpointNotFoundError(f"{path / INDEX}: no 'weight_map' in the index")
             missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
@@ -194,6 +199,15 @@ class Checkpoint:
                     f"{path / INDEX} lists shard(s) that are not in {path}: {', '.join(missing)}; "
                     f"copy every shard the index names"
                 )
+            for shard in sorted(set(weight_map.values())):
+                names = set(_shard_keys(path / shard))
+                absent = sorted(n for n, f in weight_map.items() if f == shard and n not in names)
+                if absent:
+                    raise HFCorruptFileError(
+                        f"{path / shard}: lacks {len(absent)} tensor(s) that {INDEX} places in "
+                        f"it (first: {absent[0]}); the shard and the index are from different "
+                        f"downloads: fetch both again"
+                    )
             return dict(weight_map)
         shards = sorted(path.glob("*.safetensors"))
         if not shards:
@@ -205,14 +219,13 @@ class Checkpoint:
             )
         files: dict[str, str] = {}
         for shard in shards:
-            with safe_open(shard, framework="numpy") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if name in files:
-                        raise HFCheckpointNotFoundError(
-                            f"{path}: tensor {name!r} is in both {files[name]} and {shard.name}; "
-                            f"keep one checkpoint per directory"
-                        )
-                    files[name] = shard.name
+            for name in _shard_keys(shard):
+                if name in files:
+                    raise HFCheckpointNotFoundError(
+                        f"{path}: tensor {name!r} is in both {files[name]} and {shard.name}; "
+                        f"keep one checkpoint per directory"
+                    )
+                files[name] = shard.name
         return files
 
     def __enter__(self) -> Checkpoint:
@@ -231,6 +244,39 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensor(name).get_shape())
+
+
+def read_json(path: pathlib.Path) -> dict[str, Any]:
+    """The JSON object in `path`; `HFCorruptFileError` naming the file and the line otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise HFCorruptFileError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); the file is "
+            f"damaged or was edited by hand: restore it from the checkpoint's source"
+        ) from None
+    except UnicodeDecodeError:
+        raise HFCorruptFileError(
+            f"{path}: not a text file (not UTF-8); restore it from the checkpoint's source"
+        ) from None
+    if not isinstance(value, dict):
+        raise HFCorruptFileError(
+            f"{path}: holds a JSON {type(value).__name__}, not an object of settings; restore "
+            f"it from the checkpoint's source"
+        )
+    return value
+
+
+def _shard_keys(shard: pathlib.Path) -> list[str]:
+    """The tensor names in one safetensors file (its header only); a damaged file is named."""
+    try:
+        with safe_open(shard, framework="numpy") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise HFCorruptFileError(
+            f"{shard}: not a readable safetensors file ({e}; {shard.stat().st_size} bytes); it "
+            f"is truncated or damaged, e.g. an interrupted download: fetch it again"
+        ) from None
 
 
 def check_config_keys(config: Mapping[str, Any], known: set[str], where: pathlib.Path) -> None:
@@ -268,130 +314,3 @@ class Family:
     sources: Callable[[Any, dict | None, frozenset | None], dict[str, Source]]
     # ignored(hf_config): HF tensors that are buffers or tied copies (regexes, full match).
     ignored: Callable[[dict], tuple[str, ...]] = lambda config: ()
-
-
-def _paths(state: Any) -> Iterator[tuple[str, Any]]:
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in key_path]
-        yield "/".join(names[:-1] if names and names[-1] == "value" else names), leaf
-
-
-def _check_tensors(ckpt: Checkpoint, sources: dict[str, Source], n_layers: int, fam: Family):
-    want = {n: s.shape for s in sources.values() for n in s.names(n_layers)}
-    have = set(ckpt.files)
-    patterns = fam.ignored(ckpt.config)
-    ignored = {n for n in have if any(re.fullmatch(p, n) for p in patterns)}
-    lines = [f"  - missing {n} {list(shape)}" for n, shape in want.items() if n not in have]
-    lines += [f"  - unexpected {n}" for n in sorted(have - set(want) - ignored)]
-    lines += [
-        f"  - {n}: shape {list(ckpt.shape(n))}, config.json implies {list(shape)}"
-        for n, shape in want.items()
-        if n in have and ckpt.shape(n) != shape
-    ]
-    if lines:
-        raise HFTensorMismatchError(
-            f"{ckpt.path}: the {fam.name} checkpoint does not match its {CONFIG} "
-            f"({len(lines)} problem(s)):\n" + "\n".join(lines) + "\nfix: use the config.json "
-            f"saved with these weights, and a {fam.model_type} checkpoint of this layout"
-        )
-
-
-def load(fam: Family, path: str | pathlib.Path, *, mesh=None, rules=None, axis_map=None):
-    """(cfg, model) from a local HF directory, every parameter born in its target sharding."""
-    with Checkpoint(path) as ckpt:
-        model_type = ckpt.config.get("model_type")
-        if model_type != fam.model_type:
-            raise UnsupportedHFConfigError(
-                f"{ckpt.path / CONFIG}: model_type={model_type!r}, expected "
-                f"{fam.model_type!r}; use models.{fam.name}.from_hf only for {fam.model_type} "
-                f"checkpoints"
-            )
-        try:
-            cfg = fam.config_from_hf(ckpt.config, ckpt.path)
-        except KeyError as e:
-            raise UnsupportedHFConfigError(
-                f"{ckpt.path / CONFIG}: required field {e} is missing; a {fam.model_type} "
-                f"config.json written by transformers has it"
-            ) from None
-        sources = fam.sources(cfg, ckpt.config, frozenset(ckpt.files))
-        _check_tensors(ckpt, sources, cfg.n_layers, fam)
-        abstract = nnx.eval_shape(lambda: fam.make_model(cfg, rngs=nnx.Rngs(0)))
-        graphdef, state = nnx.split(abstract)
-        shardings = _shardings(fam, state, mesh, rules, axis_map)
-        flat_shardings = jax.tree.leaves(
-            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-        )
-        leaves = []
-        for (p, leaf), sharding in zip(_paths(state), flat_shardings, strict=True):
-            src = sources[p]
-            ours = (cfg.n_layers, *src.our_shape()) if src.stacked else src.our_shape()
-            if ours != tuple(leaf.shape):  # a mapping bug, not a user error
-                raise AssertionError(f"{p}: {src} gives {ours}, the model has {leaf.shape}")
-            leaves.append(_build(ckpt, src, leaf, sharding, cfg.n_layers))
-        params = jax.tree.unflatten(jax.tree.structure(state), leaves)
-    return cfg, nnx.merge(graphdef, params)
-
-
-def _shardings(fam: Family, state: Any, mesh, rules, axis_map) -> Any:
-    if mesh is None:
-        if rules is not None or axis_map is not None:
-            raise HFError("rules/axis_map given without a mesh; pass mesh=make_mesh('...') too")
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.tree.map(lambda _: device, state)
-    # Imported here: models know nothing of sharding unless asked to place on a mesh.
-    from partition_rules import family_rules
-    from sharding._resolve import resolve
-
-    if axis_map is None:
-        raise HFError(
-            f"from_hf(mesh=...) needs axis_map (a strategy), e.g. "
-            f"axis_map=partition_rules.strategy('fsdp_tp'); mesh axes {dict(mesh.shape)}"
-        )
-    return resolve(family_rules(fam.name) if rules is None else rules, axis_map, state, mesh)
-
-
-def _build(ckpt: Checkpoint, src: Source, leaf: Any, sharding: Any, n_layers: int) -> jax.Array:
-    shape, dtype = tuple(leaf.shape), leaf.dtype
-
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
-        if not src.stacked:
-            return src.read(ckpt.tensor(src.name), index).astype(dtype)
-        layers = range(n_layers)[index[0]]
-        blocks = [src.read(ckpt.tensor(src.name.format(i=i)), index[1:]) for i in layers]
-        return np.stack(blocks).astype(dtype)
-
-    return jax.make_array_from_callback(shape, sharding, callback)
-
-
-def save(fam: Family, cfg: Any, model: nnx.Module, path: str | pathlib.Path) -> pathlib.Path:
-    """Write config.json + model.safetensors for `model` (exact values, our dtype)."""
-    path = pathlib.Path(path)
-    if getattr(cfg, "family", None) != fam.name or not isinstance(model, nnx.Module):
-        raise HFExportError(
-            f"{fam.name}_to_hf needs a {fam.name} Config and Model, got "
-            f"{type(cfg).__name__} and {type(model).__name__}"
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    stale = sorted(p.name for p in path.glob("*.safetensors*") if p.name != WEIGHTS)
-    if stale:
-        raise HFExportError(
-            f"{path}: already holds {', '.join(stale)}; a reader would mix them with the new "
-            f"{WEIGHTS}. Write into an empty directory"
-        )
-    sources = fam.sources(cfg, None, None)
-    buffers: dict[str, np.ndarray] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for p, leaf in _paths(nnx.state(model, nnx.Param)):
-        if not leaf.is_fully_addressable:
-            raise HFExportError(f"{p}: not fully addressable; gather it on this host first")
-        value, src = np.asarray(jax.device_get(leaf)), sources[p]
-        values = value if src.stacked else value[None]
-        for name, layer_value in zip(src.names(cfg.n_layers), values, strict=True):
-            src.write(buffers.setdefault(name, np.zeros(src.view, value.dtype)), layer_value)
-            shapes[name] = src.shape
-    tensors = {n: b.reshape(shapes[n]) for n, b in buffers.items()}
-    save_file(tensors, path / WEIGHTS, metadata={"format": "pt"})
-    config = fam.config_to_hf(cfg) | {"dtype": str(next(iter(tensors.values())).dtype)}
-    (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return path

@@ -2,7 +2,7 @@
 
 The mapping is exact, with no permutation of q/k: HF stores q_proj/k_proj rows in the
 rotate-half RoPE layout (its converter from Meta's interleaved weights already permuted them),
-and `models._layers.rope` rotates halves too. Only the layouts differ:
+and `models.layers.rope` rotates halves too. Only the layouts differ:
 
     model.embed_tokens.weight                  [V, D]    -> embed/embedding        [V, D]
     model.layers.{i}.input_layernorm.weight    [D]       -> layers/attn_norm/scale [L, D]
@@ -21,7 +21,8 @@ then writes both tensors and `tie_word_embeddings: false`.
 
 Example:
     >>> cfg, model = llama.from_hf("path/to/Llama-3.2-1B")  # doctest: +SKIP
-    >>> cfg, model = llama.from_hf(path, mesh=make_mesh("fsdp=8"), axis_map=strategy("fsdp"))  # doctest: +SKIP
+    >>> cfg, model = llama.from_hf(path, shardings=lambda state: sharding.resolve(
+    ...     *preset("llama", "fsdp"), state, sharding.make_mesh("fsdp=8")))  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from models import cnn, gpt2, llama, mlp
+from models._errors import UnknownFamilyError
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2, "mlp": mlp, "cnn": cnn}
 
@@ -17,8 +18,8 @@ def get_family(name: str) -> ModuleType:
         >>> get_family("llama").config("tiny").d_model
         64
     """
-    if name not in FAMILIES:
-        raise ValueError(
+    if not isinstance(name, str) or name not in FAMILIES:
+        raise UnknownFamilyError(
             f"unknown model family {name!r}; known families: {', '.join(map(repr, FAMILIES))}"
         )
     return FAMILIES[name]

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import _config
-from models._layers import Dense, Remat, RMSNorm, cross_entropy, make_stacked, normal, scan_layers
+from models._errors import ModelConfigError
+from models.layers import Dense, Remat, RMSNorm, cross_entropy, make_stacked, normal, scan_layers
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
 NAME = "cnn"  # the family name partition_rules presets are keyed by
@@ -66,8 +67,9 @@ class Config:
             self, "image_size", "in_channels", "channels", "n_layers", "pool", "head_width",
             "n_classes",
         )  # fmt: skip
+        _config.check_positive_float(self, "norm_eps")
         if self.image_size % self.pool:
-            raise ValueError(
+            raise ModelConfigError(
                 f"cnn config {self.name!r}: image_size={self.image_size} must be a multiple of "
                 f"pool={self.pool}"
             )
@@ -158,7 +160,9 @@ class Model(nnx.Module):
 
 
 def loss_from_logits(logits_BC: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean classification cross-entropy (float32)."""
+    """Mean classification cross-entropy (float32); eager calls refuse labels outside the
+    classes (`BatchError`), jitted ones do not look: check host batches with `check_batch`."""
+    _config.checked_ids(NAME, "labels", batch["labels"], logits_BC.shape[-1], "label")
     return cross_entropy(logits_BC, batch["labels"])
 
 
@@ -172,7 +176,7 @@ def batch_shapes(
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """`{"images": float32[B, S, S, C_in], "labels": int32[B]}`; seq_len must be None."""
     _config.no_seq_len(cfg, seq_len)
-    s = cfg.image_size
+    s, batch_size = cfg.image_size, _config.batch_size_for(cfg, batch_size)
     return {
         "images": jax.ShapeDtypeStruct((batch_size, s, s, cfg.in_channels), jnp.float32),
         "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
@@ -189,6 +193,19 @@ def make_batch(
         "images": jax.random.normal(ki, shapes["images"].shape, jnp.float32),
         "labels": jax.random.randint(kl, (batch_size,), 0, cfg.n_classes, jnp.int32),
     }
+
+
+def check_batch(cfg: Config, batch: dict) -> None:
+    """Refuse a host batch this model cannot compute on, before it reaches a compiled step:
+    the entries (`images`, `labels`), their shapes and dtypes, and every label in
+    ``0 .. n_classes - 1`` (a jitted step turns a label past the classes into a NaN loss).
+
+    Example:
+        >>> cfg = config("tiny")
+        >>> check_batch(cfg, make_batch(cfg, 4))
+    """
+    arrays = _config.host_batch(cfg, batch, batch_shapes, seq=False)
+    _config.check_ids(_config.who(cfg), "labels", arrays["labels"], cfg.n_classes, "label")
 
 
 def param_count(cfg: Config) -> int:

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import ClassVar
 
 import jax
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import _config
-from models._layers import (
+from models._errors import ModelConfigError
+from models.layers import (
     Dense,
     Embed,
     Remat,
@@ -74,13 +76,14 @@ class Config:
             self, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
             "d_ff", "max_seq_len",
         )  # fmt: skip
+        _config.check_positive_float(self, "rope_theta", "norm_eps")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ModelConfigError(
                 f"llama config {self.name!r}: n_heads={self.n_heads} must be a multiple of "
                 f"n_kv_heads={self.n_kv_heads} (grouped-query attention)"
             )
         if self.head_dim % 2:
-            raise ValueError(
+            raise ModelConfigError(
                 f"llama config {self.name!r}: head_dim={self.head_dim} must be even for RoPE"
             )
 
@@ -162,11 +165,20 @@ class Model(nnx.Module):
         return self.lm_head(self.final_norm(h_BSD))
 
     def __call__(self, inputs_BS: jax.Array, *, remat: Remat | None = None) -> jax.Array:
+        # Eager calls only (a no-op under jit): an id past the table would gather NaN silently.
+        _config.checked_ids(
+            _config.who(self.cfg), "inputs", inputs_BS, self.cfg.vocab_size, "token"
+        )
         return self.head(scan_layers(self.layers, self.embed(inputs_BS), remat=remat))
 
 
 def loss_from_logits(logits_BSV: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean next-token cross-entropy (float32)."""
+    """Mean next-token cross-entropy (float32).
+
+    Called eagerly, target ids outside the vocabulary raise `BatchError` (they would give a NaN
+    loss); under `jit` nothing is checked here: check host batches with `check_batch`.
+    """
+    _config.checked_ids(NAME, "targets", batch["targets"], logits_BSV.shape[-1], "token")
     return cross_entropy(logits_BSV, batch["targets"])
 
 
@@ -179,8 +191,8 @@ def batch_shapes(
     cfg: Config, batch_size: int, seq_len: int | None = None
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """`{"inputs", "targets"}: int32[batch_size, seq_len]`; seq_len None -> cfg.max_seq_len."""
-    s = _config.seq_len_for(cfg, seq_len)
-    tokens = jax.ShapeDtypeStruct((batch_size, s), jnp.int32)
+    b, s = _config.batch_size_for(cfg, batch_size), _config.seq_len_for(cfg, seq_len)
+    tokens = jax.ShapeDtypeStruct((b, s), jnp.int32)
     return {"inputs": tokens, "targets": tokens}
 
 
@@ -188,9 +200,9 @@ def make_batch(
     cfg: Config, batch_size: int, seq_len: int | None = None, *, key: jax.Array | None = None
 ) -> dict[str, jax.Array]:
     """Random tokens; targets are the inputs shifted left by one (next-token prediction)."""
-    s = _config.seq_len_for(cfg, seq_len)
+    b, s = _config.batch_size_for(cfg, batch_size), _config.seq_len_for(cfg, seq_len)
     key = jax.random.key(0) if key is None else key
-    tokens = jax.random.randint(key, (batch_size, s + 1), 0, cfg.vocab_size, jnp.int32)
+    tokens = jax.random.randint(key, (b, s + 1), 0, cfg.vocab_size, jnp.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
@@ -202,30 +214,69 @@ def param_count(cfg: Config) -> int:
     return 2 * cfg.vocab_size * d + cfg.n_layers * block + d
 
 
-def from_hf(path, *, mesh=None, rules=None, axis_map=None) -> tuple[Config, Model]:
+def check_batch(cfg: Config, batch: dict) -> None:
+    """Refuse a host batch this model cannot compute on, before it reaches a compiled step.
+
+    Checks the entries (`inputs`, `targets`), that both are int[B, S] with B >= 1 and
+    S <= max_seq_len, and that every id is a token of the vocabulary: inside a jitted step an
+    id >= vocab_size gathers NaN and the loss is NaN without a word, so a training loop calls
+    this on each host batch (numpy) it is about to place on devices.
+
+    Raises:
+        BatchError: naming the entry, the offending value (and where), and the model's limit.
+
+    Example:
+        >>> import numpy as np
+        >>> cfg = config("tiny")
+        >>> ok = np.zeros((2, 8), np.int32)
+        >>> check_batch(cfg, {"inputs": ok, "targets": ok})
+        >>> try:
+        ...     check_batch(cfg, {"inputs": ok, "targets": ok + 300})
+        ... except ValueError as e:  # models.BatchError
+        ...     print(e)  # doctest: +ELLIPSIS
+        batch['targets'] holds token id 300 (at [0, 0]; 16 of 16 ids out of range), ...
+    """
+    for key, ids in _config.host_batch(cfg, batch, batch_shapes, seq=True).items():
+        _config.check_ids(_config.who(cfg), key, ids, cfg.vocab_size, "token")
+
+
+def from_hf(path, *, shardings=None) -> tuple[Config, Model]:
     """Read a local Hugging Face Llama directory (config.json + *.safetensors, a sharded index
     included) into ``(cfg, model)``.
 
     Args:
-        path: the checkpoint directory.
-        mesh: place each parameter on this mesh, each device reading only its own slice of each
-            tensor; None loads on one device.
-        rules: partition rules (default: the llama family table).
-        axis_map: the strategy, e.g. ``partition_rules.strategy("fsdp_tp")``; required with mesh.
+        path: the checkpoint directory (never created, never written).
+        shardings: where each parameter goes. None: one device. Otherwise a function from the
+            abstract state (``nnx.split(model)[1]`` of ``ShapeDtypeStruct``s) to a matching tree
+            of ``jax.sharding.Sharding``, a tree of them, or one for every parameter. Each
+            device reads only its own slice of each tensor. With spmdkit's placement:
+            ``shardings=lambda state: sharding.resolve(*preset("llama", "fsdp"), state, mesh)``.
 
     Raises:
+        HFCheckpointNotFoundError: no such directory, no config.json, or a shard is missing.
+        HFCorruptFileError: config.json or the index is not JSON, a shard is truncated.
         PickleCheckpointError: the weights are .bin/.pt/.pth (never unpickled).
         UnsupportedHFConfigError: config.json asks for RoPE scaling, biases, another activation.
         HFTensorMismatchError: tensors missing, unexpected or of the wrong shape.
+
+    Example:
+        >>> cfg, model = from_hf("path/to/Llama-3.2-1B")  # doctest: +SKIP
     """
-    from models import _hf, _hf_llama  # lazy: they import this module
+    from models import hf  # lazy: it imports this module
 
-    return _hf.load(_hf_llama.FAMILY, path, mesh=mesh, rules=rules, axis_map=axis_map)
+    return hf.load(hf.LLAMA, path, shardings=shardings)
 
 
-def to_hf(cfg: Config, model: Model, path):
+def to_hf(cfg: Config, model: Model, path, *, overwrite: bool = False) -> pathlib.Path:
     """Write ``model`` as a Hugging Face Llama directory (config.json + model.safetensors) and
-    return its path; ``from_hf`` of it gives back ``cfg`` and bit-identical parameters."""
-    from models import _hf, _hf_llama
+    return its path; ``from_hf`` of it gives back ``cfg`` and bit-identical parameters.
 
-    return _hf.save(_hf_llama.FAMILY, cfg, model, path)
+    A directory that is not empty is refused (nothing written) unless ``overwrite=True``, which
+    replaces config.json and the *.safetensors weights there and keeps other files (tokenizer).
+
+    Example:
+        >>> to_hf(cfg, model, "out/llama")  # doctest: +SKIP
+    """
+    from models import hf
+
+    return hf.save(hf.LLAMA, cfg, model, path, overwrite=overwrite)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import _config
-from models._layers import Dense, Remat, cross_entropy, make_stacked, scan_layers
+from models.layers import Dense, Remat, cross_entropy, make_stacked, scan_layers
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
 NAME = "mlp"  # the family name partition_rules presets are keyed by
@@ -100,7 +100,9 @@ class Model(nnx.Module):
 
 
 def loss_from_logits(logits_BC: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean classification cross-entropy (float32)."""
+    """Mean classification cross-entropy (float32); eager calls refuse labels outside the
+    classes (`BatchError`), jitted ones do not look: check host batches with `check_batch`."""
+    _config.checked_ids(NAME, "labels", batch["labels"], logits_BC.shape[-1], "label")
     return cross_entropy(logits_BC, batch["labels"])
 
 
@@ -114,6 +116,7 @@ def batch_shapes(
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """`{"x": float32[B, d_in], "labels": int32[B]}`; seq_len must be None."""
     _config.no_seq_len(cfg, seq_len)
+    batch_size = _config.batch_size_for(cfg, batch_size)
     return {
         "x": jax.ShapeDtypeStruct((batch_size, cfg.d_in), jnp.float32),
         "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
@@ -125,11 +128,25 @@ def make_batch(
 ) -> dict[str, jax.Array]:
     """Standard-normal inputs and uniformly random labels."""
     _config.no_seq_len(cfg, seq_len)
+    batch_size = _config.batch_size_for(cfg, batch_size)
     kx, ky = jax.random.split(jax.random.key(0) if key is None else key)
     return {
         "x": jax.random.normal(kx, (batch_size, cfg.d_in), jnp.float32),
         "labels": jax.random.randint(ky, (batch_size,), 0, cfg.n_classes, jnp.int32),
     }
+
+
+def check_batch(cfg: Config, batch: dict) -> None:
+    """Refuse a host batch this model cannot compute on, before it reaches a compiled step:
+    the entries (`x`, `labels`), their shapes and dtypes, and every label in
+    ``0 .. n_classes - 1`` (a jitted step turns a label past the classes into a NaN loss).
+
+    Example:
+        >>> cfg = config("tiny")
+        >>> check_batch(cfg, make_batch(cfg, 4))
+    """
+    arrays = _config.host_batch(cfg, batch, batch_shapes, seq=False)
+    _config.check_ids(_config.who(cfg), "labels", arrays["labels"], cfg.n_classes, "label")
 
 
 def param_count(cfg: Config) -> int:

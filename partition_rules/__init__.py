@@ -1,7 +1,14 @@
 """Partition rules: which logical axes each parameter has, and where each logical axis goes.
 
-Pure data about names: no devices, no meshes, no JAX objects. `sharding.resolve` binds these to a
-mesh.
+Pure data about names: no devices, no meshes, no JAX objects, and no knowledge of `sharding` (which
+binds these to a mesh with `sharding.resolve`). Input that cannot be used raises a
+`PartitionRulesError` (a `ValueError`): `MalformedRuleError`, `RuleConflictError`,
+`UnknownPresetError`.
+
+Example:
+    >>> rules, axis_map = preset("llama", "fsdp_tp")
+    >>> [axis_map.mesh_axes(e) for e in rules.match("layers/mlp/up/kernel")[1].axes]
+    [(), ('fsdp',), ('tensor',)]
 """
 
 from partition_rules import cnn, gpt2, llama, mlp, strategies
@@ -9,10 +16,13 @@ from partition_rules._presets import FAMILY_RULES, family_rules, preset, strateg
 from partition_rules._rules import (
     AxisEntry,
     AxisMap,
+    MalformedRuleError,
     MeshAxes,
+    PartitionRulesError,
     Rule,
     RuleConflictError,
     Rules,
+    UnknownPresetError,
     direct_rules,
 )
 from partition_rules.strategies import PIPELINE_STRATEGIES, STRATEGIES
@@ -23,10 +33,13 @@ __all__ = [
     "STRATEGIES",
     "AxisEntry",
     "AxisMap",
+    "MalformedRuleError",
     "MeshAxes",
+    "PartitionRulesError",
     "Rule",
     "RuleConflictError",
     "Rules",
+    "UnknownPresetError",
     "cnn",
     "direct_rules",
     "family_rules",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from partition_rules import cnn, gpt2, llama, mlp
-from partition_rules._rules import AxisMap, Rules
+from partition_rules._rules import AxisMap, Rules, UnknownPresetError
 from partition_rules.strategies import STRATEGIES
 
 FAMILY_RULES: dict[str, Rules] = {
@@ -15,24 +15,33 @@ FAMILY_RULES: dict[str, Rules] = {
 
 
 def family_rules(family: str) -> Rules:
-    """The rule table of a model family; raises ValueError listing the known families."""
-    try:
-        return FAMILY_RULES[family]
-    except KeyError:
-        raise ValueError(
+    """The rule table of a model family; `UnknownPresetError` listing the known families.
+
+    Example:
+        >>> family_rules("gpt2").match("wte/embedding")[1].axes
+        ('vocab', 'embed')
+    """
+    if not isinstance(family, str) or family not in FAMILY_RULES:
+        raise UnknownPresetError(
             f"no partition rules for model family {family!r}; known families: "
-            f"{', '.join(sorted(FAMILY_RULES))}"
-        ) from None
+            f"{', '.join(sorted(FAMILY_RULES))}. For a model of your own, write its Rules table "
+            f"and pass it with an axis map (e.g. strategy('fsdp')) instead of a preset"
+        )
+    return FAMILY_RULES[family]
 
 
 def strategy(name: str) -> AxisMap:
-    """The axis map of a strategy; raises ValueError listing the strategies that exist."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(
+    """The axis map of a strategy; `UnknownPresetError` listing the strategies that exist.
+
+    Example:
+        >>> strategy("fsdp")["embed"]
+        'fsdp'
+    """
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise UnknownPresetError(
             f"unknown strategy {name!r}; strategies that exist: {', '.join(STRATEGIES)}"
-        ) from None
+        )
+    return STRATEGIES[name]
 
 
 def preset(family: str, strategy_name: str) -> tuple[Rules, AxisMap]:

@@ -24,17 +24,40 @@ AxisEntry = str | tuple[str, ...] | None
 MeshAxes = str | tuple[str, ...] | None
 
 
-class RuleConflictError(ValueError):
+class PartitionRulesError(ValueError):
+    """Rules, axis maps or preset names that cannot be used: the message says what to write.
+
+    `partition_rules` knows nothing of `sharding`, so this is a plain `ValueError` (as every
+    spmdkit error is) rather than a `sharding.SpmdkitError`.
+    """
+
+
+class RuleConflictError(PartitionRulesError):
     """Two rule sets or axis maps define the same key differently."""
 
 
+class MalformedRuleError(PartitionRulesError, TypeError):
+    """A rule that is not a (regex, axes) pair, a bad regex, or an axis entry of the wrong kind.
+
+    Also a `TypeError`: most of these are values of the wrong type.
+    """
+
+
+class UnknownPresetError(PartitionRulesError):
+    """A model family or strategy name that has no rule table or axis map."""
+
+
+_AXES_HELP = "an axis name, a tuple of axis names, or None (replicated)"
+
+
 def _normalise_entry(entry: object, where: str) -> AxisEntry:
-    if entry is None or isinstance(entry, str):
+    if entry is None or (isinstance(entry, str) and entry):
         return entry
-    if isinstance(entry, tuple | list) and all(isinstance(e, str) for e in entry):
+    if isinstance(entry, tuple | list) and all(isinstance(e, str) and e for e in entry):
         return tuple(entry) if len(entry) != 1 else entry[0]
-    raise TypeError(
-        f"{where}: each dimension must be an axis name, a tuple of axis names or None; got {entry!r}"
+    raise MalformedRuleError(
+        f"{where}: each dimension must be {_AXES_HELP}; got {entry!r}"
+        + (", a non-string name" if isinstance(entry, tuple | list) else "")
     )
 
 
@@ -67,18 +90,28 @@ class Rule:
             # JAX semantics for a direct rule: P() replicates whatever the rank.
             axes_in = tuple(self.axes)
             object.__setattr__(self, "axes", axes_in if axes_in else None)
+        if not isinstance(self.pattern, str):
+            raise MalformedRuleError(
+                f"rule pattern {self.pattern!r} is a {type(self.pattern).__name__}; a pattern is "
+                f"a regex string over '/'-joined parameter paths, e.g. r'layers/mlp/.*/kernel'"
+            )
         if self.axes is not None:
             if not isinstance(self.axes, tuple | list):
-                raise TypeError(
+                hint = f"({self.axes!r},) for a vector" if isinstance(self.axes, str) else ""
+                raise MalformedRuleError(
                     f"rule {self.pattern!r}: axes must be a tuple (one entry per dimension) or "
-                    f"None (replicate any rank), got {self.axes!r}"
+                    f"None (replicate any rank), got {self.axes!r}; write e.g. "
+                    f"{hint or repr(('embed', 'mlp')) + ' for a matrix'}"
                 )
             axes = tuple(_normalise_entry(a, f"rule {self.pattern!r}") for a in self.axes)
             object.__setattr__(self, "axes", axes)
         try:
             object.__setattr__(self, "_regex", re.compile(self.pattern))
         except re.error as e:
-            raise ValueError(f"rule pattern {self.pattern!r} is not a valid regex: {e}") from None
+            raise MalformedRuleError(
+                f"rule pattern {self.pattern!r} is not a valid regex: {e}; escape literal "
+                f"brackets and parentheses with a backslash"
+            ) from None
 
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None
@@ -108,13 +141,25 @@ class Rules:
     rules: tuple[Rule, ...]
 
     def __init__(self, rules: Iterable[Rule | tuple[str, Iterable[AxisEntry]]] = ()) -> None:
+        if isinstance(rules, str | bytes | Mapping) or not isinstance(rules, Iterable):
+            raise MalformedRuleError(
+                f"Rules takes a list of (regex, axes) pairs, got a {type(rules).__name__} "
+                f"{_short(rules)}; e.g. Rules([(r'layers/mlp/.*/kernel', ('layers', 'embed', "
+                f"'mlp')), (r'.*', None)])"
+                + ("; for a dict write Rules(d.items())" if isinstance(rules, Mapping) else "")
+            )
         built = []
-        for r in rules:
+        for i, r in enumerate(rules):
             if isinstance(r, Rule):
                 built.append(r)
                 continue
-            pattern, axes = r
-            built.append(Rule(pattern, axes))
+            if not isinstance(r, tuple | list) or len(r) != 2:
+                raise MalformedRuleError(
+                    f"rule {i} is {_short(r)}, not a (regex, axes) pair; write e.g. "
+                    f"(r'layers/mlp/.*/kernel', ('layers', 'embed', 'mlp')), or (r'.*', None) to "
+                    f"replicate whatever is left"
+                )
+            built.append(Rule(r[0], r[1]))
         object.__setattr__(self, "rules", tuple(built))
 
     def __len__(self) -> int:
@@ -166,9 +211,19 @@ class AxisMap(Mapping[str, MeshAxes]):
     is_identity: bool = False
 
     def __post_init__(self) -> None:
-        clean = {
-            str(k): _normalise_entry(v, f"axis map entry {k!r}") for k, v in self.mapping.items()
-        }
+        if not isinstance(self.mapping, Mapping):
+            raise MalformedRuleError(
+                f"AxisMap takes a dict of logical axis -> mesh axes, got a "
+                f"{type(self.mapping).__name__} {_short(self.mapping)}; e.g. "
+                f"AxisMap({{'embed': 'fsdp', 'heads': 'tensor', 'norm': None}})"
+            )
+        bad = [k for k in self.mapping if not isinstance(k, str) or not k]
+        if bad:
+            raise MalformedRuleError(
+                f"axis map key {bad[0]!r} is not a logical axis name; keys are the names rules "
+                f"use (strings such as 'embed'), values {_AXES_HELP} of the mesh"
+            )
+        clean = {k: _normalise_entry(v, f"axis map entry {k!r}") for k, v in self.mapping.items()}
         object.__setattr__(self, "mapping", dict(sorted(clean.items())))
 
     @classmethod
@@ -223,6 +278,11 @@ class AxisMap(Mapping[str, MeshAxes]):
             elif target is not None:
                 out.extend(target)
         return tuple(out)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def direct_rules(rules: Iterable[tuple[str, Iterable[MeshAxes]]]) -> tuple[Rules, AxisMap]:

@@ -2,17 +2,17 @@
 
 Mesh axes: ``data`` (replicas; batch split), ``fsdp`` (batch split *and* parameters sharded,
 ZeRO-3), ``tensor`` (Megatron: heads, MLP hidden and vocabulary split inside each layer), ``stage``
-(pipeline: the stacked ``layers`` axis split into stages). The batch is always split over
-``("data", "fsdp")``; axes of size 1 are allowed everywhere, so one strategy serves every mesh
-shape.
+(pipeline: the stacked ``layers`` axis split into stages). Axes of size 1 are allowed everywhere, so
+one strategy serves every mesh shape. Strategies place parameters only: the batch is split over
+``("data", "fsdp")`` by the step compiler (`sharding.BATCH_AXES`), whatever the strategy.
 
 Per-feature vectors (``norm``: norm scales, output biases of width d_model) are sharded over
 ``fsdp`` (ZeRO-3 shards everything) and replicated otherwise: under tensor or pipeline
 parallelism they are a rounding error in bytes, and sharding them would cost a collective per use.
 
 Example:
-    >>> FSDP_TP["embed"], FSDP_TP["heads"], FSDP_TP["batch"]
-    ('fsdp', 'tensor', ('data', 'fsdp'))
+    >>> FSDP_TP["embed"], FSDP_TP["heads"], FSDP_TP["layers"]
+    ('fsdp', 'tensor', None)
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from partition_rules._rules import AxisMap
 # Every logical axis a family table may use. A strategy maps each of them; a family that uses a
 # name outside this list is reported by `sharding.resolve` as an unknown logical axis.
 LOGICAL_AXES = (
-    "batch",  # activations: the global batch
     "layers",  # the stacked-blocks axis
     "vocab",  # vocabulary rows of embeddings and heads
     "embed",  # d_model
@@ -41,8 +40,7 @@ LOGICAL_AXES = (
     "kernel_w",
 )
 
-_REPLICATED = AxisMap({name: None for name in LOGICAL_AXES if name != "batch"})
-_BATCH = AxisMap({"batch": ("data", "fsdp")})
+_REPLICATED = AxisMap({name: None for name in LOGICAL_AXES})
 
 # Building blocks. `|` raises if two blocks disagree on a name, so the hybrids below are checked
 # for consistency when this module is imported.
@@ -55,7 +53,7 @@ _PP = AxisMap({"layers": "stage"})
 
 
 def _strategy(*blocks: AxisMap) -> AxisMap:
-    named = _BATCH
+    named = AxisMap()
     for block in blocks:
         named = named | block
     # Whatever the blocks leave unnamed is replicated, stated explicitly per name.

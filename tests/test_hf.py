@@ -18,13 +18,14 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from models import gpt2, llama
-from models._hf import (
+from models import gpt2, hf, llama
+from models.hf import (
     HFCheckpointNotFoundError,
     HFError,
     HFExportError,
     HFTensorMismatchError,
     PickleCheckpointError,
+    Source,
     UnsupportedHFConfigError,
 )
 from partition_rules import preset
@@ -36,6 +37,12 @@ FROM_HF = {"llama": llama.from_hf, "gpt2": gpt2.from_hf}
 TO_HF = {"llama": llama.to_hf, "gpt2": gpt2.to_hf}
 # The fixtures have 2 layers, so the 4-stage example mesh becomes 2 stages.
 MESHES = {s: m.replace("stage=4,data=2", "stage=2,data=4") for s, m in EXAMPLE_MESHES_8.items()}
+
+
+def placed(family: str, strategy: str, mesh: str):
+    """`shardings` for `from_hf`: spmdkit's placement of the family's preset on `mesh`."""
+    rules, axis_map, mesh_ = *preset(family, strategy), make_mesh(mesh)
+    return lambda state: resolve(rules, axis_map, state, mesh_)
 
 
 def reference(family: str) -> dict[str, np.ndarray]:
@@ -98,7 +105,9 @@ def test_logits_match_transformers_under_every_preset(family, strategy):
     """Born sharded (each device reads its slice), same logits as transformers at 1e-4."""
     rules, axis_map = preset(family, strategy)
     mesh = make_mesh(MESHES[strategy])
-    _, model = FROM_HF[family](FIXTURES / family, mesh=mesh, rules=rules, axis_map=axis_map)
+    _, model = FROM_HF[family](
+        FIXTURES / family, shardings=lambda state: resolve(rules, axis_map, state, mesh)
+    )
     state = nnx.state(model, nnx.Param)
     want = resolve(rules, axis_map, state, mesh)
     for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
@@ -111,9 +120,7 @@ def test_logits_match_transformers_under_every_preset(family, strategy):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_to_hf_then_from_hf_round_trips_exactly(family, tmp_path):
-    cfg, model = FROM_HF[family](
-        FIXTURES / family, mesh=make_mesh("fsdp=8"), axis_map=preset(family, "fsdp")[1]
-    )
+    cfg, model = FROM_HF[family](FIXTURES / family, shardings=placed(family, "fsdp", "fsdp=8"))
     out = TO_HF[family](cfg, model, tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     with safe_open(out / "model.safetensors", framework="numpy") as f:
@@ -237,9 +244,11 @@ def test_llama_tied_embeddings_load_as_a_copy(tmp_path):
     np.testing.assert_array_equal(tensors(out)["lm_head.weight"], embed)
 
 
-def test_mesh_needs_an_axis_map_and_export_checks(tmp_path):
-    with pytest.raises(HFError, match=r"needs axis_map.*strategy\('fsdp_tp'\)"):
-        llama.from_hf(FIXTURES / "llama", mesh=make_mesh("fsdp=8"))
+def test_shardings_must_place_every_parameter_and_export_checks(tmp_path):
+    with pytest.raises(HFError, match=r"shardings is a Mesh.*sharding\.resolve\(rules, axis_map"):
+        llama.from_hf(FIXTURES / "llama", shardings=make_mesh("fsdp=8"))
+    with pytest.raises(HFError, match=r"\(state\) gave a tree of 0 leaves, not one .*Sharding per"):
+        llama.from_hf(FIXTURES / "llama", shardings=lambda state: [None, None])
     cfg, model = gpt2.from_hf(FIXTURES / "gpt2")
     with pytest.raises(HFExportError, match="needs a llama Config and Model"):
         llama.to_hf(cfg, model, tmp_path / "x")
@@ -252,12 +261,10 @@ def test_mesh_needs_an_axis_map_and_export_checks(tmp_path):
 
 def test_config_mapping_round_trips_for_real_sizes():
     """config_to_hf then config_from_hf is the identity on the shipped sizes (no weights)."""
-    from models import _hf_gpt2, _hf_llama
-
     for cfg in llama.SIZES.values():
-        assert _hf_llama.config_from_hf(_hf_llama.config_to_hf(cfg), pathlib.Path("x")) == cfg
+        assert hf.LLAMA.config_from_hf(hf.LLAMA.config_to_hf(cfg), pathlib.Path("x")) == cfg
     for cfg in gpt2.SIZES.values():
-        assert _hf_gpt2.config_from_hf(_hf_gpt2.config_to_hf(cfg), pathlib.Path("x")) == cfg
+        assert hf.GPT2.config_from_hf(hf.GPT2.config_to_hf(cfg), pathlib.Path("x")) == cfg
 
 
 @pytest.mark.parametrize(
@@ -272,8 +279,6 @@ def test_config_mapping_round_trips_for_real_sizes():
 @pytest.mark.parametrize("slot", [0, 1, 2])
 def test_source_reads_the_same_as_slicing_the_whole_tensor(index, slot):
     """A fused, viewed, transposed source: reading a slice equals slicing the full mapping."""
-    from models._hf import Source
-
     d, n, h = 64, 4, 16
     fused = np.arange(d * 3 * d, dtype=np.float32).reshape(d, 3 * d)
     src = Source("c_attn", (d, 3 * d), (d, 3, n, h), (0, 1, 2), fixed=((1, slot),))
@@ -292,10 +297,8 @@ def test_source_reads_the_same_as_slicing_the_whole_tensor(index, slot):
 
 def test_each_device_reads_only_its_slice(monkeypatch):
     """Under fsdp=8 every read of the token table is 1/8 of it, and together they read it once."""
-    from models import _hf
-
     reads: dict[str, list[int]] = {}
-    tensor = _hf.Checkpoint.tensor
+    tensor = hf.Checkpoint.tensor
 
     class Recorder:
         def __init__(self, name, inner):
@@ -309,8 +312,36 @@ def test_each_device_reads_only_its_slice(monkeypatch):
         def get_shape(self):
             return self.inner.get_shape()
 
-    monkeypatch.setattr(_hf.Checkpoint, "tensor", lambda self, n: Recorder(n, tensor(self, n)))
-    llama.from_hf(FIXTURES / "llama", mesh=make_mesh("fsdp=8"), axis_map=preset("llama", "fsdp")[1])
+    monkeypatch.setattr(hf.Checkpoint, "tensor", lambda self, n: Recorder(n, tensor(self, n)))
+    llama.from_hf(FIXTURES / "llama", shardings=placed("llama", "fsdp", "fsdp=8"))
     table = reads["model.embed_tokens.weight"]
     assert max(table) == 256 * 64 // 8
     assert sum(table) == 256 * 64
+
+
+def test_to_hf_overwrite_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
+    cfg, model = gpt2.from_hf(FIXTURES / "gpt2")
+    out = copy_fixture("llama", tmp_path)  # a sharded checkpoint of another model
+    (out / "tokenizer.json").write_text("{}")
+    gpt2.to_hf(cfg, model, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"
+    ]  # fmt: skip
+    cfg2, model2 = gpt2.from_hf(out)
+    assert cfg2 == cfg
+    for name, value in params(model).items():
+        np.testing.assert_array_equal(params(model2)[name], value, err_msg=name)
+
+
+def test_shardings_as_one_sharding_or_a_tree():
+    """`shardings` may be one Sharding for every parameter, or a tree shaped like the state."""
+    mesh = make_mesh("fsdp=8")
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    _, model = gpt2.from_hf(FIXTURES / "gpt2", shardings=replicated)
+    assert {leaf.sharding for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))} == {replicated}
+    rules, axis_map = preset("gpt2", "fsdp")
+    abstract = nnx.eval_shape(lambda: gpt2.Model(gpt2.config("tiny", n_layers=2), rngs=nnx.Rngs(0)))
+    tree = resolve(rules, axis_map, nnx.split(abstract)[1], mesh)
+    _, model = gpt2.from_hf(FIXTURES / "gpt2", shardings=tree)
+    got = [leaf.sharding for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert got == jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))

@@ -17,7 +17,7 @@ from flax import nnx
 
 import models
 from models import FAMILIES, build_config, get_family, gpt2, llama, scan_layers
-from models._layers import causal_attention, rope
+from models.layers import causal_attention, rope
 
 NAMES = ["llama", "gpt2", "mlp", "cnn"]
 LMS = ["llama", "gpt2"]
@@ -394,3 +394,8 @@ def test_configs_are_frozen_and_named():
             assert cfg.name == size and cfg.family == name
             with pytest.raises(AttributeError):
                 cfg.name = "x"  # type: ignore[misc]
+
+
+def test_doc_examples(doctests):
+    """The examples in the docstrings of `models`' public names (families, layers, hf) run."""
+    assert doctests(models) > 10

@@ -1,4 +1,5 @@
-"""Pieces shared by the model families: dense and norm modules, attention, RoPE, loss, stacking.
+"""Building blocks of the model families, public for your own: dense and norm modules,
+attention, RoPE, loss, layer stacking.
 
 No device or sharding logic lives here (nor anywhere in `models`): parameters are plain
 `nnx.Param` arrays whose "/"-joined state paths are matched by the partition rules elsewhere.
@@ -22,6 +23,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+__all__ = [
+    "Dense",
+    "Embed",
+    "LayerNorm",
+    "RMSNorm",
+    "Remat",
+    "SelfAttention",
+    "causal_attention",
+    "cross_entropy",
+    "layer_norm",
+    "make_stacked",
+    "normal",
+    "residual_std",
+    "rms_norm",
+    "rope",
+    "scan_layers",
+]
+
+# A per-layer wrapper such as `jax.checkpoint` (rematerialisation), applied to the scan body.
 Remat = Callable[[Callable], Callable]
 
 
@@ -202,8 +222,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy over all positions; logits are cast to float32 first.
 
     Example:
-        >>> float(cross_entropy(jnp.zeros((2, 3, 8)), jnp.zeros((2, 3), jnp.int32)))  # log(8)
-        2.0794...
+        >>> round(float(cross_entropy(jnp.zeros((2, 3, 8)), jnp.zeros((2, 3), jnp.int32))), 4)
+        2.0794
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)
