@@ -117,4 +117,5 @@ def build_program(
         remat=remat,
         clip_norm=clip_norm,
         pipeline=pipeline,
+        check_batch=lambda host_batch: family.check_batch(cfg, host_batch),
     )

@@ -167,6 +167,7 @@ class TrainProgram:
     _compiled: Any = field(default=None, repr=False)
     compile_time_s: float | None = None
     schedule: Any = None  # the pipeline's `Schedule`, None without a pipeline
+    check_batch: Callable[[dict], None] | None = field(default=None, repr=False)
 
     @property
     def param_shardings(self) -> Any:
@@ -208,7 +209,14 @@ class TrainProgram:
         )
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        """Place a host batch (the full global batch, single process) in its sharding."""
+        """Place a host batch (the full global batch, single process) in its sharding.
+
+        With ``check_batch`` (e.g. ``models.llama.check_batch`` bound to its config) the host
+        arrays are checked first: a token id outside the vocabulary would otherwise gather NaN
+        inside the compiled step and train on a NaN loss without a word.
+        """
+        if self.check_batch is not None:
+            self.check_batch({k: v for k, v in batch.items() if not isinstance(v, jax.Array)})
         return {
             k: v
             if _placed(v, self.batch_shardings[k])
@@ -247,6 +255,7 @@ def compile_train_step(
     remat: str = "none",
     clip_norm: float | None = None,
     pipeline: PipelineSpec | None = None,
+    check_batch: Callable[[dict], None] | None = None,
 ) -> TrainProgram:
     """Build the sharded training step of a model under (rules, axis_map) on `mesh`.
 
@@ -265,6 +274,8 @@ def compile_train_step(
         clip_norm: clip gradients to this global norm (optax.clip_by_global_norm) if given.
         pipeline: pipeline the layer stack over the ``stage`` axis (`PipelineSpec`); needs a
             pipeline preset (pp, pp_tp, pp_fsdp).
+        check_batch: ``batch -> None``, raising for a host batch the model cannot take (token
+            ids outside the vocabulary); `TrainProgram.shard_batch` calls it.
 
     Example:
         >>> from models import llama
@@ -285,6 +296,8 @@ def compile_train_step(
     check_mesh(fn, mesh)
     check_batch_shapes(fn, batch_shapes)
     check_positive_int(fn, "accum_steps", accum_steps)
+    if check_batch is not None:
+        check_callable(fn, "check_batch", check_batch, "a function batch -> None, or None")
     check_clip(fn, clip_norm)
     if pipeline is not None and not isinstance(pipeline, PipelineSpec):
         raise StepConfigError(
@@ -397,4 +410,5 @@ def compile_train_step(
         _grad_fn=grad_only,
         _eval_fn=eval_fn,
         schedule=schedule,
+        check_batch=check_batch,
     )

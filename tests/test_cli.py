@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -51,6 +52,10 @@ def test_train_writes_metrics_and_a_summary(tmp_path, capsys):
     assert {"loss", "step_time_s", "tokens_per_s", "grad_norm"} <= set(rows[0])
     out = capsys.readouterr().out
     assert "fsdp_tp" in out and "collectives per device per step" in out
+    # One memory figure, what the step allocates, with its parts named; one FLOP count, per
+    # device and summed (XLA's "peak" and loop-blind FLOP estimate contradicted them).
+    assert "step allocates / device" in out and "temporaries" in out and "peak" not in out
+    assert "per device" in out and "summed over 8 devices" in out and "FLOPs/device:" not in out
 
 
 def test_train_missing_data_file(tmp_path, capsys):
@@ -61,7 +66,7 @@ def test_train_missing_data_file(tmp_path, capsys):
 def test_train_token_ids_beyond_the_vocabulary(tmp_path, capsys):
     path = tmp_path / "tokens.bin"
     np.array([1, 2, 300, 4] * 100, np.uint16).tofile(path)
-    assert train(tmp_path, "--steps", "1", "--data", str(path)) == 2
+    assert train(tmp_path, "--steps", "1", "--data", str(path), "--data-dtype", "uint16") == 2
     err = capsys.readouterr().err
     assert "300" in err and "256" in err
 
@@ -106,3 +111,23 @@ def test_train_1f1b_pipeline_runs(tmp_path, capsys):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
     assert "collective-permute" in capsys.readouterr().out
+
+
+def strict_json(line: str) -> dict:
+    """`json.loads` that refuses the bare NaN / Infinity Python's json writes by default."""
+    return json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_train_stops_at_a_non_finite_loss_with_exit_1(tmp_path, capsys):
+    """A learning rate of 1e30 blows up at step 3 (the gradient norm): stop, keep step 2."""
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    assert train(tmp_path, "--steps", "8", "--lr", "1e30", "--metrics", str(metrics),
+                 "--checkpoint-dir", str(ck), "--save-every", "1", "--keep", "10") == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(r"step 3: loss .*gradient norm nan: the run diverged", err), err
+    assert "last finite loss" in err and "the last checkpoint is step 2" in err
+    assert "--resume 2" in err and "Lower --lr" in err
+    rows = [strict_json(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) == [1, 2]

@@ -106,7 +106,7 @@ def test_byte_round_trip():
     ("name", "dtype", "explicit"),
     [
         ("train.u16", np.uint16, None),
-        ("train.bin", np.uint16, None),
+        ("train.bin", np.uint16, "uint16"),
         ("train.u32", np.uint32, None),
         ("tokens.dat", np.uint32, np.uint32),
     ],
@@ -164,6 +164,25 @@ def test_token_file_dtype_errors(tmp_path):
         TokenFile(path)
     with pytest.raises(TokenFileFormatError, match=r"dtype=float32 is not a token dtype"):
         TokenFile(path, dtype=np.float32)
+
+
+def test_token_file_dtype_must_be_stated(tmp_path):
+    """A .bin file may be uint16 (nanoGPT) or uint32: it must say, and a wrong guess is caught."""
+    path = token_file(tmp_path, np.arange(1000) % 200, "train.bin")
+    with pytest.raises(TokenFileFormatError, match=r"suffix '\.bin'.*--data-dtype uint16 or "
+                       r"--data-dtype uint32"):  # fmt: skip
+        TokenFile(path)
+    assert TokenFile(path, dtype="uint16", vocab_size=256).dtype == np.uint16
+    wide = token_file(tmp_path, np.arange(1000) % 200, "wide.u16", np.uint32)
+    with pytest.raises(TokenFileFormatError, match=r"0 at every odd position.*--data-dtype uint32"):
+        TokenFile(wide, vocab_size=256, scan_chunk_tokens=63)  # odd chunks: parity kept
+    assert TokenFile(wide, dtype="uint32", vocab_size=256).batch(0, 2, 8).max() < 200
+    with pytest.raises(TokenOutOfRangeError, match=r"uint16 file read as uint32.*--data-dtype "
+                       r"uint16") as e:  # fmt: skip
+        TokenFile(path, dtype="uint32", vocab_size=256)
+    assert e.value.token_id >= 1 << 16
+    with pytest.raises(TokenFileFormatError, match=r"dtype=int8 is not a token dtype"):
+        TokenFile(path, dtype="int8")
 
 
 def test_token_file_too_short(tmp_path):

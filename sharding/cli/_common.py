@@ -19,8 +19,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.option_strings and "%(default)" not in text
-                and action.default not in (None, False, argparse.SUPPRESS)):  # fmt: skip
+        unset = action.default is None or action.default is False
+        if action.option_strings and "%(default)" not in text and not unset \
+                and action.default != argparse.SUPPRESS:  # fmt: skip
             text += " (default: %(default)s)"
         return text
 

@@ -25,7 +25,9 @@ import numpy as np
 from sharding.training._errors import TrainingError
 
 BYTE_VOCAB = 256
-_SUFFIX_DTYPES = {".u16": np.dtype("<u2"), ".bin": np.dtype("<u2"), ".u32": np.dtype("<u4")}
+# Only suffixes that say the dtype; a ".bin" file (nanoGPT writes uint16, others uint32) must say.
+_SUFFIX_DTYPES = {".u16": np.dtype("<u2"), ".u32": np.dtype("<u4")}
+_CHOOSE = "pass --data-dtype uint16 or --data-dtype uint32 (dtype=np.uint16 or dtype=np.uint32)"
 _OPS = np.array(["+", "-", "*"])
 
 
@@ -46,7 +48,11 @@ class TokenFileTooShortError(DataError):
 
 
 class TokenOutOfRangeError(DataError):
-    """The token file holds an id the model's embedding has no row for."""
+    """The token file holds an id the model's embedding has no row for (``token_id``: the largest)."""
+
+    def __init__(self, message: str, token_id: int = -1):
+        super().__init__(message)
+        self.token_id = token_id
 
 
 class VocabTooSmallError(DataError):
@@ -147,12 +153,14 @@ class ArithmeticText:
 class TokenFile:
     """A flat binary file of token ids (nanoGPT / levanter: raw little-endian, no header).
 
-    The file is memory-mapped, never read whole. ``dtype`` is the explicit argument, or else
-    from the suffix: ``.u16`` and ``.bin`` are uint16, ``.u32`` is uint32. With ``vocab_size``
-    the file is scanned once at construction, ``scan_chunk_tokens`` at a time, so a bad id fails
-    here, not as a silent clamp or NaN inside a compiled step (without ``vocab_size``, uint32
-    ids over 2**31 - 1 would wrap in the int32 batch). Row ``r`` at ``step`` is the
-    window at the ``r``-th offset drawn by ``np.random.default_rng([seed, step])``.
+    The file is memory-mapped, never read whole. ``dtype`` is the explicit argument (``"uint16"``,
+    ``"uint32"`` or a numpy dtype), or else from the suffix: ``.u16`` is uint16, ``.u32`` uint32;
+    any other suffix (``.bin`` too) must pass it. With ``vocab_size`` the file is scanned once at
+    construction, ``scan_chunk_tokens`` at a time, so a bad id fails here, not as a silent clamp
+    or NaN inside a compiled step (without ``vocab_size``, uint32 ids over 2**31 - 1 would wrap in
+    the int32 batch); the scan also refuses a uint32 file read as uint16 (every odd uint16 is 0).
+    Row ``r`` at ``step`` is the window at the ``r``-th offset drawn by
+    ``np.random.default_rng([seed, step])``.
 
     Example:
         >>> import tempfile
@@ -189,11 +197,13 @@ class TokenFile:
             raise TokenFileFormatError(
                 f"token file {str(self.path)!r} has {size} bytes, not a multiple of "
                 f"{self.dtype.itemsize} ({self.dtype.name}); it is not a flat {self.dtype.name} "
-                f"token file. Pass the dtype it was written with (dtype=np.uint32?) or rewrite it"
+                f"token file. Pass the dtype it was written with (--data-dtype uint16 or uint32) "
+                f"or rewrite it"
             )
         if size == 0:
             raise TokenFileTooShortError(
-                f"token file {str(self.path)!r} is empty (0 tokens); write at least seq_len + 1"
+                f"token file {str(self.path)!r} is empty (0 tokens); write at least --seq + 1 "
+                f"tokens (seq_len + 1)"
             )
         self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         if vocab_size is not None:
@@ -204,16 +214,18 @@ class TokenFile:
             suffix = self.path.suffix.lower()
             if suffix not in _SUFFIX_DTYPES:
                 raise TokenFileFormatError(
-                    f"token file {str(self.path)!r}: cannot infer the token dtype from suffix "
-                    f"{suffix!r}; name the file .u16/.bin (uint16) or .u32 (uint32), or pass "
-                    f"dtype=np.uint16 or dtype=np.uint32"
+                    f"token file {str(self.path)!r}: the suffix {suffix!r} does not say how the "
+                    f"tokens are stored; {_CHOOSE}, or name the file .u16 or .u32"
                 )
             return _SUFFIX_DTYPES[suffix]
-        dt = np.dtype(dtype)
-        if dt.kind != "u" or dt.itemsize not in (2, 4):
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        if dt is None or dt.kind != "u" or dt.itemsize not in (2, 4):
+            name = dtype if dt is None else dt.name
             raise TokenFileFormatError(
-                f"token file {str(self.path)!r}: dtype={dt.name} is not a token dtype; "
-                f"pass dtype=np.uint16 or dtype=np.uint32"
+                f"token file {str(self.path)!r}: dtype={name} is not a token dtype; {_CHOOSE}"
             )
         return dt.newbyteorder("<")
 
@@ -223,6 +235,7 @@ class TokenFile:
                 f"vocab_size={vocab_size!r} and scan_chunk_tokens={chunk!r} must be positive ints"
             )
         top, where, n_bad = -1, -1, 0
+        odd_nonzero = even_nonzero = False
         # Chunked so a many-GB file costs a few MB of memory; argmax gives the max and its place.
         for lo in range(0, len(self.tokens), chunk):
             part = np.asarray(self.tokens[lo : lo + chunk])
@@ -231,12 +244,29 @@ class TokenFile:
                 top, where = int(part[i]), lo + i
             if top >= vocab_size:
                 n_bad += int(np.count_nonzero(part >= vocab_size))
+            odd, even = part[1 - lo % 2 :: 2], part[lo % 2 :: 2]
+            odd_nonzero = odd_nonzero or bool(odd.any())
+            even_nonzero = even_nonzero or bool(even.any())
+        n = len(self.tokens)
+        if self.dtype.itemsize == 2 and n >= 16 and n % 2 == 0 and even_nonzero and not odd_nonzero:
+            # Little-endian uint32 ids below 65536 read as uint16: every high half is 0.
+            raise TokenFileFormatError(
+                f"token file {str(self.path)!r} read as uint16 has token id 0 at every odd "
+                f"position ({n} tokens): it looks like a uint32 file; pass --data-dtype uint32, "
+                f"or name it .u32"
+            )
         if top >= vocab_size:
+            wide = ""
+            if self.dtype.itemsize == 4 and top >= 1 << 16:
+                wide = (" (read as uint32: a uint16 file read as uint32 gives ids this large; "
+                        "if it is one, pass --data-dtype uint16)")  # fmt: skip
             raise TokenOutOfRangeError(
                 f"token file {str(self.path)!r} holds token id {top} at position {where} "
-                f"({n_bad} of {len(self.tokens)} tokens are >= vocab_size), but the model's "
-                f"vocab_size={vocab_size} only has ids 0..{vocab_size - 1}. Give the model "
-                f"vocab_size >= {top + 1}, or re-tokenize with the model's tokenizer"
+                f"({n_bad} of {n} tokens are >= vocab_size), but the model's "
+                f"vocab_size={vocab_size} only has ids 0..{vocab_size - 1}{wide}. Use a model "
+                f"whose vocabulary covers the ids (vocab_size >= {top + 1}: another --model or "
+                f"--size), check --data-dtype, or re-tokenize with the model's tokenizer",
+                token_id=top,
             )
 
     def __len__(self) -> int:
@@ -249,7 +279,8 @@ class TokenFile:
             raise TokenFileTooShortError(
                 f"token file {str(self.path)!r} holds {len(self.tokens)} tokens, but seq_len="
                 f"{seq_len} needs windows of {seq_len + 1} (inputs plus the shifted target). "
-                f"Use seq_len <= {len(self.tokens) - 1} or a longer file"
+                f"Use --seq {len(self.tokens) - 1} or less (seq_len <= {len(self.tokens) - 1}), "
+                f"or a longer file"
             )
 
     def offsets(self, step: int, stop: int, seq_len: int) -> np.ndarray:
@@ -284,7 +315,7 @@ def process_batch(
     Example:
         >>> import jax
         >>> from jax import sharding as jshard
-        >>> from sharding.training._data import ArithmeticText
+        >>> from sharding.training import ArithmeticText
         >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jshard.AxisType.Auto,))
         >>> s = jshard.NamedSharding(mesh, jshard.PartitionSpec("data"))
         >>> process_batch(ArithmeticText(), 0, 2, 4, {"inputs": s, "targets": s})["inputs"].shape
@@ -310,12 +341,6 @@ def process_batch(
     }
 
 
-_HOOKED = False
-# Fragments of the runtime's errors when a peer vanished mid-collective or from the service.
-_PEER_LOST = ("gloo", "connection closed", "connection reset", "heartbeat", "unavailable",
-              "coordination service", "socket closed", "broken pipe")  # fmt: skip
-
-
 def dataset_from_arg(
     path: str | os.PathLike | None,
     vocab_size: int,
@@ -327,7 +352,7 @@ def dataset_from_arg(
     """The dataset a ``--data`` argument names: the embedded arithmetic text when ``None``.
 
     A token file is validated against the model's ``vocab_size`` (and ``seq_len`` if given) now,
-    before anything compiles.
+    before anything compiles; ``dtype`` is ``--data-dtype`` (None: from the file's suffix).
 
     Example:
         >>> dataset_from_arg(None, vocab_size=256, seed=1)
@@ -337,8 +362,8 @@ def dataset_from_arg(
         if vocab_size < BYTE_VOCAB:
             raise VocabTooSmallError(
                 f"the embedded arithmetic text uses byte tokens (ids 0..255), but the model's "
-                f"vocab_size={vocab_size}; use vocab_size >= {BYTE_VOCAB} or pass a token file "
-                f"whose ids fit"
+                f"vocab_size={vocab_size}; use vocab_size >= {BYTE_VOCAB} (another --model or "
+                f"--size) or pass --data with a token file whose ids fit"
             )
         data: ArithmeticText | TokenFile = ArithmeticText(seed=seed)
     else:

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax import sharding as jshard
 
-from sharding._mesh import mesh_sizes
+from sharding._mesh import mesh_sizes, mesh_text
 from sharding._step import BATCH_AXES, shardings_like_params
 from sharding.training._checkpoint import Checkpointer, CheckpointError, CheckpointMeta
 
@@ -69,8 +69,8 @@ def elastic_batch(meta: CheckpointMeta, sizes: dict[str, int], policy: str | Non
     if policy is None:
         if old != new:
             raise ElasticPolicyError(
-                f"the checkpoint was {saved} devices (mesh {_fmt(meta.mesh)}), but the new mesh "
-                f"{_fmt(sizes)} splits it over {new}; choose --elastic keep-batch (same global "
+                f"the checkpoint was {saved} devices (mesh {mesh_text(meta.mesh)}), but the new mesh "
+                f"{mesh_text(sizes)} splits it over {new}; choose --elastic keep-batch (same global "
                 f"batch, more accumulation) or --elastic shrink-batch (global batch scaled to "
                 f"{new}/{old})"
             )
@@ -86,7 +86,7 @@ def elastic_batch(meta: CheckpointMeta, sizes: dict[str, int], policy: str | Non
                 return BatchPlan(batch, a, note if (a, old) != (accum, new) else "")
         raise ElasticPolicyError(
             f"keep-batch: the checkpoint was {saved} devices; global batch {batch} does not "
-            f"split into micro-batches over {new} devices (mesh {_fmt(sizes)}) with at most "
+            f"split into micro-batches over {new} devices (mesh {mesh_text(sizes)}) with at most "
             f"{batch // (accum * old)} rows per device; use --elastic shrink-batch or a mesh "
             f"whose data x fsdp divides {batch}"
         )
@@ -99,10 +99,6 @@ def elastic_batch(meta: CheckpointMeta, sizes: dict[str, int], policy: str | Non
         f"kept, accumulation {accum}); the learning-rate schedule is unchanged"
     )
     return BatchPlan(resized, accum, note if resized != batch else "")
-
-
-def _fmt(sizes: dict[str, int]) -> str:
-    return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "data=1"
 
 
 def checkpoint_shardings(

@@ -1,0 +1,227 @@
+"""The settings of a training run (`TrainConfig`) and the errors for settings it cannot take.
+
+Field names follow `spmdkit train`'s flags (``save_every`` is ``--save-every``), and so do the
+messages: each names the flag, the value and what to write instead. `TrainConfig.validate` checks
+everything that needs neither the model nor the checkpoint, reading the file system but writing
+nothing; `sharding.training.fit` calls it first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from partition_rules import STRATEGIES
+from sharding.pipeline import SCHEDULES
+from sharding.training._elastic import ELASTIC_POLICIES
+from sharding.training._errors import TrainingError
+
+# Defaults of the settings a resumed run takes from its checkpoint instead.
+DEFAULT_BATCH, DEFAULT_SEQ, DEFAULT_ACCUM = 16, 64, 1
+LATEST = "latest"
+DTYPES = ("float32", "bfloat16")
+REMATS = ("none", "full", "dots")
+DATA_DTYPES = ("uint16", "uint32")
+# Settings that shape the numbers of a run beyond the model and the data; a resumed run that
+# changes one still runs, and says so.
+TRAIN_SETTINGS = ("lr", "warmup", "steps", "clip", "dtype", "remat")
+
+
+class TrainConfigError(TrainingError):
+    """A training setting that cannot be taken (the base of the errors below)."""
+
+
+class InvalidSettingError(TrainConfigError):
+    """A setting out of its range (``--steps 0``, ``--lr nan``) or not one of its choices."""
+
+
+class ConflictingSettingsError(TrainConfigError):
+    """A setting that needs another one (``--elastic`` without ``--resume``)."""
+
+
+class OutputPathError(TrainConfigError):
+    """A ``--metrics`` or ``--checkpoint-dir`` path that cannot be written where asked."""
+
+
+class SequenceTooLongError(TrainConfigError):
+    """``--seq`` longer than the model's ``max_seq_len``."""
+
+
+class WouldOverwriteError(TrainingError):
+    """The run would replace a file or checkpoint; ``--overwrite`` (``overwrite=True``) allows it."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything `spmdkit train` is told, as one value (see ``spmdkit train --help``).
+
+    ``batch``, ``seq`` and ``accum`` left as None take the checkpoint's values when resuming, else
+    16, 64 and 1. ``resume`` is a step, ``"latest"`` (the newest checkpoint, or a fresh start when
+    there is none yet), or None. ``clip=0`` turns gradient clipping off. ``mesh`` is a mesh spec
+    (None: every device along ``data``).
+
+    Example:
+        >>> TrainConfig(steps=10, lr=1e-3).validate()
+        >>> TrainConfig(steps=0).validate()  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        InvalidSettingError: --steps 0: train until a step >= 1, e.g. --steps 300
+    """
+
+    size: str = "tiny"
+    strategy: str = "fsdp_tp"
+    mesh: Any = None
+    steps: int = 300
+    batch: int | None = None
+    seq: int | None = None
+    lr: float = 3e-3
+    warmup: int = 20
+    dtype: str = "float32"
+    remat: str = "none"
+    accum: int | None = None
+    clip: float = 1.0
+    data: str | os.PathLike | None = None
+    data_dtype: str | None = None
+    seed: int = 0
+    metrics: str | os.PathLike | None = None
+    checkpoint_dir: str | os.PathLike | None = None
+    save_every: int = 0
+    keep: int = 3
+    resume: int | str | None = None
+    elastic: str | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+    repeats: int | None = None
+    overwrite: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (paths as strings) for JSON."""
+        out = dataclasses.asdict(self)
+        return {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in out.items()}
+
+    def validate(self) -> None:
+        """Raise a `TrainConfigError` (or `WouldOverwriteError`) for the first bad setting.
+
+        Checks ranges and choices, settings that need each other, and the output paths
+        (``metrics``' folder exists and the file does not unless ``overwrite``;
+        ``checkpoint_dir`` is not a file). Creates and writes nothing.
+        """
+        self._check_numbers()
+        self._check_choices()
+        self._check_combinations()
+        self._check_paths()
+
+    def _check_numbers(self) -> None:
+        wholes = {
+            "steps": (1, "train until a step >= 1, e.g. --steps 300"),
+            "batch": (1, "the global batch (sequences per step) must be >= 1, e.g. --batch 16"),
+            "seq": (1, "the sequence length must be >= 1, e.g. --seq 64"),
+            "accum": (1, "gradient accumulation micro-steps must be >= 1 (1: none)"),
+            "warmup": (0, "learning-rate warm-up steps must be >= 0, e.g. --warmup 20"),
+            "seed": (0, "the seed must be a whole number >= 0, e.g. --seed 0"),
+            "save_every": (0, "save every N >= 0 steps (0: only at the last step)"),
+            "keep": (1, "keep >= 1 checkpoints, e.g. --keep 3"),
+            "microbatches": (1, "micro-batches per step must be >= 1"),
+            "repeats": (1, "circular repeats must be >= 1"),
+        }
+        optional = {"batch", "seq", "accum", "microbatches", "repeats"}
+        for name, (least, fix) in wholes.items():
+            v = getattr(self, name)
+            if v is None and name in optional:
+                continue
+            if not _whole(v) or v < least:
+                raise InvalidSettingError(f"{_flag(name)} {v!r}: {fix}")
+        if not _real(self.lr) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise InvalidSettingError(
+                f"--lr {self.lr!r}: the peak learning rate must be a finite number > 0, "
+                f"e.g. --lr 3e-3"
+            )
+        if not _real(self.clip) or not math.isfinite(self.clip) or self.clip < 0:
+            raise InvalidSettingError(
+                f"--clip {self.clip!r}: the gradient-clipping norm must be a finite number >= 0, "
+                f"e.g. --clip 1.0; --clip 0 turns clipping off"
+            )
+        r = self.resume
+        if r is not None and r != LATEST and (not _whole(r) or r < 1):
+            raise InvalidSettingError(
+                f"--resume {r!r}: give a saved step >= 1, or --resume alone for the latest"
+            )
+
+    def _check_choices(self) -> None:
+        choices = {
+            "strategy": tuple(STRATEGIES),
+            "dtype": DTYPES,
+            "remat": REMATS,
+            "data_dtype": (None, *DATA_DTYPES),
+            "elastic": (None, *ELASTIC_POLICIES),
+            "schedule": (None, *SCHEDULES),
+        }
+        for name, known in choices.items():
+            v = getattr(self, name)
+            if v not in known:
+                shown = ", ".join(str(k) for k in known if k is not None)
+                raise InvalidSettingError(f"{_flag(name)} {v!r}: choose one of {shown}")
+        if not isinstance(self.size, str) or not self.size:
+            raise InvalidSettingError(f"--size {self.size!r}: give a named size, e.g. --size tiny")
+
+    def _check_combinations(self) -> None:
+        if self.checkpoint_dir is None:
+            given = [_flag(k) for k in ("resume", "elastic") if getattr(self, k) is not None]
+            if given or self.save_every:
+                raise ConflictingSettingsError(
+                    f"{', '.join(given or ['--save-every'])} need(s) --checkpoint-dir DIR"
+                )
+        if self.elastic is not None and self.resume is None:
+            raise ConflictingSettingsError(
+                f"--elastic {self.elastic} decides how a resumed run splits its batch, but "
+                f"--resume is not given; add --resume [STEP], or drop --elastic"
+            )
+        if self.data_dtype is not None and self.data is None:
+            raise ConflictingSettingsError(
+                f"--data-dtype {self.data_dtype} says how a --data token file is stored, but no "
+                f"--data FILE is given (the embedded arithmetic text needs none); add --data FILE "
+                f"or drop --data-dtype"
+            )
+
+    def _check_paths(self) -> None:
+        if self.metrics is not None:
+            path = Path(self.metrics)
+            if path.is_dir():
+                raise OutputPathError(
+                    f"--metrics {path} is a folder; give a file in it, e.g. "
+                    f"--metrics {path / 'metrics.jsonl'}"
+                )
+            folder = path.absolute().parent
+            if not folder.is_dir():
+                raise OutputPathError(
+                    f"--metrics {path}: the folder {folder} does not exist; create it first "
+                    f"(mkdir -p {folder}) or give a file in an existing folder"
+                )
+            if path.exists() and not self.overwrite:
+                raise WouldOverwriteError(
+                    f"--metrics {path} already exists ({path.stat().st_size} bytes); pass "
+                    f"--overwrite to replace it, or give another file"
+                )
+        if self.checkpoint_dir is not None:
+            path = Path(self.checkpoint_dir).absolute()
+            existing = next(p for p in (path, *path.parents) if p.exists())
+            if not existing.is_dir():
+                what = "is a file" if existing == path else f"is inside {existing}, a file"
+                raise OutputPathError(
+                    f"--checkpoint-dir {self.checkpoint_dir} {what}, not a folder; give a folder "
+                    f"(created if missing), e.g. --checkpoint-dir checkpoints/run1"
+                )
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -1,0 +1,273 @@
+"""`fit`: the training loop behind `spmdkit train`, as one library call.
+
+Order matters here: every check that can refuse the run (settings, model size, checkpoint to
+resume, data file, mesh, batch split, pipeline) runs before anything compiles or any file is
+created; only then are the checkpoint directory and the metrics file opened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from sharding._init import state_bytes
+from sharding._mesh import MeshSpec, make_mesh, mesh_text
+from sharding._recipe import build_program
+from sharding.training._checkpoint import Checkpointer
+from sharding.training._config import (
+    InvalidSettingError,
+    SequenceTooLongError,
+    TrainConfig,
+)
+from sharding.training._data import TokenOutOfRangeError, dataset_from_arg, process_batch
+from sharding.training._errors import TrainingError
+from sharding.training._result import TrainResult
+from sharding.training._resume import plan_start, run_meta
+
+
+class NonFiniteLossError(TrainingError):
+    """The loss or gradient norm became NaN or infinite: the run diverged and was stopped.
+
+    ``step`` is the step that diverged (not saved), ``last_loss`` the last finite loss (None if
+    none in this run), ``history`` the records of the steps before it.
+    """
+
+    def __init__(self, message: str, step: int, last_loss: float | None, history: list[dict]):
+        super().__init__(message)
+        self.step, self.last_loss, self.history = step, last_loss, history
+
+
+def model_config(family: Any, size: str) -> Any:
+    """``family.config(size)``, for a language-model family and one of its named sizes."""
+    name = getattr(family, "NAME", repr(family))
+    sizes = getattr(family, "SIZES", {})
+    cfgs = list(sizes.values())
+    if not cfgs or not all(hasattr(c, "vocab_size") and hasattr(c, "max_seq_len") for c in cfgs):
+        raise InvalidSettingError(
+            f"fit trains language models (a family whose configs have vocab_size and "
+            f"max_seq_len, e.g. --model llama or gpt2); {name!r} has none: build its step with "
+            f"sharding.compile_train_step"
+        )
+    if size not in sizes:
+        raise InvalidSettingError(
+            f"--size {size!r}: {name} has no such size; choose one of {', '.join(sizes)}"
+        )
+    return family.config(size)
+
+
+def _sizes_with(family: Any, field: str, least: int) -> str:
+    fits = [f"{n} ({getattr(c, field)})" for n, c in family.SIZES.items()
+            if getattr(c, field) >= least]  # fmt: skip
+    return ", ".join(fits) or "none"
+
+
+def _check_seq(family: Any, cfg: Any, seq: int) -> None:
+    if seq > cfg.max_seq_len:
+        raise SequenceTooLongError(
+            f"--seq {seq}: sequence longer than {family.NAME} {cfg.name!r} supports: "
+            f"seq_len={seq} > max_seq_len={cfg.max_seq_len}; use --seq {cfg.max_seq_len} or "
+            f"less, or a --size whose context fits (max_seq_len: "
+            f"{_sizes_with(family, 'max_seq_len', seq)})"
+        )
+
+
+def _dataset(family: Any, cfg: Any, config: TrainConfig, seq: int) -> Any:
+    try:
+        return dataset_from_arg(
+            config.data, cfg.vocab_size, config.seed, seq_len=seq, dtype=config.data_dtype
+        )
+    except TokenOutOfRangeError as e:
+        need = e.token_id + 1
+        raise TokenOutOfRangeError(
+            f"{e}; {family.NAME} sizes whose vocabulary covers {need} ids: "
+            f"{_sizes_with(family, 'vocab_size', need)} (--size NAME)",
+            token_id=e.token_id,
+        ) from None
+
+
+def build_train_program(family: Any, cfg: Any, config: TrainConfig, spec: MeshSpec, start):
+    """The run's `TrainProgram` (`sharding.build_program`): AdamW (b2 0.95, weight decay 0.1) on
+    a warm-up + cosine schedule (to 10% of ``lr`` at ``steps``), global-norm clipping unless
+    ``clip`` is 0. Compiles nothing.
+    """
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.lr,
+        max(1, min(config.warmup, config.steps - 1)),
+        max(config.steps, 2),
+        config.lr * 0.1,
+    )
+    return build_program(
+        family,
+        cfg,
+        config.strategy,
+        make_mesh(spec),
+        batch=start.batch,
+        seq=start.seq,
+        optimizer=optax.adamw(schedule, b2=0.95, weight_decay=0.1),
+        accum_steps=start.accum,
+        compute_dtype=config.dtype,
+        remat=config.remat,
+        clip_norm=config.clip if config.clip > 0 else None,
+        schedule=config.schedule,
+        microbatches=config.microbatches,
+        repeats=config.repeats,
+    )
+
+
+def fit(
+    family: Any,
+    config: TrainConfig | None = None,
+    *,
+    on_step: Callable[[dict], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Train a language model of ``family`` (e.g. ``models.llama``) as ``config`` says.
+
+    Everything `spmdkit train` does: checks the settings, resumes or refuses the checkpoint,
+    splits the batch (``elastic``), compiles the step, trains to ``config.steps`` writing one JSON
+    line per step to ``metrics`` and checkpoints to ``checkpoint_dir``. ``on_step`` receives each
+    step's record (step, loss, grad_norm, step_time_s, tokens_per_s); ``on_note`` each message
+    about the run (resumed from, batch changed, compiling). Runs on the devices JAX has (fix the
+    count first: `sharding.setup_devices`).
+
+    Raises a `TrainingError` (or another `SpmdkitError`) before anything compiles or any file is
+    written for settings it cannot take, and `NonFiniteLossError` at the first NaN or infinite
+    loss or gradient norm: that step is neither saved nor written to ``metrics``.
+
+    Example:
+        >>> import models
+        >>> from sharding.training import TrainConfig, fit
+        >>> result = fit(models.llama, TrainConfig(steps=3, mesh="data=8", batch=8, seq=16))  # doctest: +SKIP
+        >>> [r["step"] for r in result.history]  # doctest: +SKIP
+        [1, 2, 3]
+    """
+    config = TrainConfig() if config is None else config
+    config.validate()
+    notes: list[str] = []
+
+    def note(message: str) -> None:
+        notes.append(message)
+        if on_note is not None:
+            on_note(message)
+
+    cfg = model_config(family, config.size)
+    spec = MeshSpec.of(config.mesh or "data=-1").resolve(jax.device_count())
+    start = plan_start(family, cfg, spec, config, note)
+    _check_seq(family, cfg, start.seq)
+    dataset = _dataset(family, cfg, config, start.seq)
+    program = build_train_program(family, cfg, config, spec, start)
+    # Everything is checked: from here on the run writes files.
+    ck, saved = None, []
+    if config.checkpoint_dir is not None:
+        ck = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep)
+    try:
+        if start.resume is not None:
+            state, meta = ck.restore(program, start.step)
+            note(
+                f"resumed from step {meta.step} of {ck.directory} (saved under {meta.strategy} "
+                f"on {mesh_text(meta.mesh)}, restored under {config.strategy} on {spec})"
+            )
+        else:
+            state = program.init(config.seed)
+        note(f"compiling {family.NAME} {config.size} / {config.strategy} on {spec} ...")
+        program.compiled  # noqa: B018  (compile once, ahead of the loop, and time it)
+        save_meta = run_meta(family, cfg, spec, config, start) if ck else None
+        state, history = _loop(program, dataset, state, config, start, ck, save_meta, on_step)
+        if ck is not None:
+            ck.wait()
+            saved = ck.steps()
+            note(f"checkpoints in {ck.directory}: steps {saved}")
+    finally:
+        if ck is not None:
+            ck.close()  # waits for the save in flight
+    if start.step >= config.steps:
+        note(f"the checkpoint is at step {start.step} >= --steps {config.steps}: nothing to train")
+    params = program.abstract_state["params"]
+    return TrainResult(
+        family=family.NAME,
+        size=config.size,
+        strategy=config.strategy,
+        mesh=spec.sizes,
+        devices=spec.size,
+        platform=jax.devices()[0].platform,
+        config=config,
+        batch=start.batch,
+        seq=start.seq,
+        accum=start.accum,
+        history=history,
+        resumed_from=None if start.resume is None else start.step,
+        checkpoint_steps=saved,
+        notes=notes,
+        parameters=sum(x.size for x in jax.tree.leaves(params)),
+        param_bytes=state_bytes(params, program.param_shardings),
+        state_bytes=state_bytes(program.abstract_state, program.state_shardings),
+        report=program.report(),
+        program=program,
+        state=state,
+    )
+
+
+def _loop(program, dataset, state, config, start, ck, save_meta, on_step):
+    """Train from ``start.step`` to ``config.steps``; stop at the first non-finite number."""
+    history: list[dict] = []
+    metrics = None if config.metrics is None else open(config.metrics, "w")  # noqa: SIM115
+    try:
+        for step in range(start.step, config.steps):
+            batch = process_batch(dataset, step, start.batch, start.seq, program.batch_shardings)
+            began = time.perf_counter()
+            state, out = program.step(state, batch)
+            loss = float(out["loss"])  # blocks until the step is done
+            elapsed = time.perf_counter() - began
+            grad_norm = float(out["grad_norm"])
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise _diverged(step + 1, loss, grad_norm, history, config, ck)
+            record = {
+                "step": step + 1,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "step_time_s": elapsed,
+                "tokens_per_s": start.batch * start.seq / elapsed,
+            }
+            history.append(record)
+            if metrics is not None:
+                metrics.write(json.dumps(record, allow_nan=False) + "\n")
+                metrics.flush()
+            if ck is not None and (ck.should_save(step + 1) or step + 1 == config.steps):
+                # Asynchronous: returns once the arrays are copied; the next step may donate them.
+                ck.save(step + 1, state, save_meta, overwrite=config.overwrite)
+            if on_step is not None:
+                on_step(record)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return state, history
+
+
+def _diverged(step, loss, grad_norm, history, config, ck) -> NonFiniteLossError:
+    last = history[-1]["loss"] if history else None
+    where = "no finite loss in this run" if last is None else (
+        f"last finite loss {last:.4f} at step {history[-1]['step']}")  # fmt: skip
+    saved = ""
+    if ck is not None:
+        ck.wait()  # the save of an earlier step in flight is good: let it commit
+        steps = ck.steps()
+        saved = (f"; nothing saved for step {step}, the last checkpoint is step {steps[-1]} in "
+                 f"{ck.directory} (--resume {steps[-1]})" if steps else
+                 f"; nothing saved for step {step}")  # fmt: skip
+    clip = "" if config.clip > 0 else ", turn clipping on (--clip 1.0)"
+    return NonFiniteLossError(
+        f"step {step}: loss {loss}, gradient norm {grad_norm}: the run diverged and was stopped "
+        f"({where}){saved}. Lower --lr (now {config.lr:g}){clip} or raise --warmup "
+        f"(now {config.warmup})",
+        step,
+        last,
+        list(history),
+    )
