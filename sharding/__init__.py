@@ -10,6 +10,10 @@ it (`resolve`, `place`, `explain`), born-sharded state (`init_sharded`) and the 
     sharding.comparison   measure strategies side by side and recommend (`spmdkit compare`)
     sharding.training     data, checkpoints, elastic restarts, multi-process runs
 
+The entry points behind the commands are here too: `compare` (`spmdkit compare`), `plan`,
+`explain`, `fit` (`spmdkit train`), `reshard` and `launch`; each returns data with `.table()`,
+`.to_json()` and (where a picture applies) `.plot()`.
+
 Every error for input spmdkit cannot take is a `SpmdkitError` (a `ValueError`), grouped under one
 base per concept.
 """
@@ -59,6 +63,9 @@ from sharding._step import (
     remat_wrapper,
 )
 from sharding._units import SizeFormatError, fmt_bytes, fmt_count, parse_bytes
+from sharding.comparison import compare
+from sharding.costmodel import plan
+from sharding.training import fit, launch, reshard
 
 __all__ = [
     "AXES",
@@ -89,15 +96,18 @@ __all__ = [
     "UnmatchedParameterError",
     "abstract_params",
     "build_program",
+    "compare",
     "comparison",
     "compile_train_step",
     "costmodel",
     "cpu_only",
     "explain",
+    "fit",
     "fmt_bytes",
     "fmt_count",
     "init_sharded",
     "inspection",
+    "launch",
     "make_mesh",
     "mesh_sizes",
     "mesh_text",
@@ -106,7 +116,9 @@ __all__ = [
     "pipeline",
     "pipeline_for",
     "place",
+    "plan",
     "remat_wrapper",
+    "reshard",
     "resolve",
     "setup_devices",
     "shard_abstract",

@@ -84,7 +84,7 @@ def layer_wrapper(remat: str, mesh: jshard.Mesh) -> Callable:
     return wrap
 
 
-def check_batch(batch_shapes: dict, mesh_shape: dict[str, int], accum_steps: int) -> int:
+def check_batch_split(batch_shapes: dict, mesh_shape: dict[str, int], accum_steps: int) -> int:
     """Validate the global batch against the mesh and accumulation; returns the batch size."""
     sizes = {k: v.shape[0] for k, v in batch_shapes.items()}
     if len(set(sizes.values())) != 1:
@@ -211,12 +211,14 @@ class TrainProgram:
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
         """Place a host batch (the full global batch, single process) in its sharding.
 
-        With ``check_batch`` (e.g. ``models.llama.check_batch`` bound to its config) the host
-        arrays are checked first: a token id outside the vocabulary would otherwise gather NaN
+        With ``check_batch`` (e.g. ``models.llama.check_batch`` bound to its config) a batch of
+        host arrays is checked first: a token id outside the vocabulary would otherwise gather NaN
         inside the compiled step and train on a NaN loss without a word.
         """
-        if self.check_batch is not None:
-            self.check_batch({k: v for k, v in batch.items() if not isinstance(v, jax.Array)})
+        if self.check_batch is not None and not any(
+            isinstance(v, jax.Array) for v in batch.values()
+        ):
+            self.check_batch(batch)  # host arrays only: reading device arrays back would stall
         return {
             k: v
             if _placed(v, self.batch_shardings[k])
@@ -310,7 +312,7 @@ def compile_train_step(
         )
     dtype = COMPUTE_DTYPES[compute_dtype]
     wrap = layer_wrapper(remat, mesh)
-    check_batch(batch_shapes, dict(mesh.shape), accum_steps)
+    check_batch_split(batch_shapes, dict(mesh.shape), accum_steps)
     if clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
 

@@ -113,3 +113,12 @@ def test_errors_are_grouped_under_one_root():
             obj = getattr(package, n)
             if inspect.isclass(obj) and issubclass(obj, Exception) and issubclass(obj, ValueError):
                 assert issubclass(obj, sharding.SpmdkitError), f"sharding.{sub}.{n}"
+
+
+@pytest.mark.parametrize("name", ["compare", "plan", "explain", "fit", "reshard", "launch"])
+def test_every_command_is_one_documented_library_call(name, capsys):
+    entry = getattr(sharding, name)
+    assert inspect.isfunction(entry) and name in sharding.__all__
+    help(entry)
+    shown = capsys.readouterr().out
+    assert f"{name}(" in shown and "Example" in shown or "Args" in shown
