@@ -121,4 +121,4 @@ def test_every_command_is_one_documented_library_call(name, capsys):
     assert inspect.isfunction(entry) and name in sharding.__all__
     help(entry)
     shown = capsys.readouterr().out
-    assert f"{name}(" in shown and "Example" in shown or "Args" in shown
+    assert f"{name}(" in shown and ("Example" in shown or "Args" in shown)
