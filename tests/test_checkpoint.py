@@ -18,17 +18,22 @@ import numpy as np
 import pytest
 from jax import sharding as jshard
 
+import models
 from sharding.cli import main
 from sharding.cli import reshard as reshard_cmd
 from sharding.cli import train as train_cmd
 from sharding.training import (
+    ELASTIC_POLICIES,
     Checkpointer,
     CheckpointMeta,
     CheckpointMismatchError,
     CorruptCheckpointError,
     ElasticPolicyError,
     NoCheckpointError,
+    TrainConfig,
+    WouldOverwriteError,
     elastic_batch,
+    fit,
 )
 
 BASE = ["--model", "llama", "--size", "tiny", "--batch", "16", "--seq", "32", "--steps", "10"]
@@ -85,7 +90,7 @@ def test_saves_every_n_steps_with_metadata(reference):
 def test_exact_resume_is_bit_identical(reference, tmp_path):
     ck_dir = copy_of(reference, tmp_path)
     metrics = tmp_path / "m.jsonl"
-    assert train(*FSDP8, "--checkpoint-dir", str(ck_dir), "--resume", "5",
+    assert train(*FSDP8, "--checkpoint-dir", str(ck_dir), "--resume", "5", "--overwrite",
                  "--metrics", str(metrics)) == 0  # fmt: skip
     resumed = losses(metrics)
     assert list(resumed) == [6, 7, 8, 9, 10]
@@ -127,11 +132,11 @@ def test_resume_under_pipeline_on_another_split(reference, tmp_path, capsys):
     """fsdp on fsdp=8 -> pp on stage=2,data=4: the batch split 8 -> 4 takes an elastic policy."""
     ck_dir = copy_of(reference, tmp_path)
     pp = ["--mesh", "stage=2,data=4", "--strategy", "pp", "--microbatches", "2"]
-    assert train(*pp, "--checkpoint-dir", str(ck_dir), "--resume", "5") == 2
+    assert train(*pp, "--checkpoint-dir", str(ck_dir), "--resume", "5", "--overwrite") == 2
     assert "choose --elastic keep-batch" in capsys.readouterr().err
     metrics = tmp_path / "m.jsonl"
     assert train(*pp, "--checkpoint-dir", str(ck_dir), "--resume", "5", "--elastic", "keep-batch",
-                 "--metrics", str(metrics)) == 0  # fmt: skip
+                 "--overwrite", "--metrics", str(metrics)) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "resumed from step 5" in out and "gradient accumulation 1 -> 2" in out
     resumed = losses(metrics)
@@ -143,7 +148,6 @@ def test_resume_under_pipeline_on_another_split(reference, tmp_path, capsys):
 def _program(strategy: str, mesh: str, family: str = "llama"):
     import optax
 
-    import models
     from partition_rules import preset
     from sharding import compile_train_step, make_mesh
     from sharding.pipeline import PipelineSpec
@@ -190,7 +194,7 @@ def test_elastic_restart_on_four_devices_continues_the_loss_curve(reference, tmp
     cmd = [sys.executable, "-c", "import sys; from sharding.cli import main; sys.exit(main())",
            "train", *BASE, "--devices", "4", "--mesh", "fsdp=4", "--strategy",
            "fsdp", "--checkpoint-dir", str(ck_dir), "--resume", "5", "--elastic", "keep-batch",
-           "--metrics", str(metrics)]  # fmt: skip
+           "--overwrite", "--metrics", str(metrics)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "global batch 16 kept; gradient accumulation 1 -> 2" in done.stdout
@@ -204,18 +208,17 @@ def test_elastic_restart_on_four_devices_continues_the_loss_curve(reference, tmp
 
 KILLED_CHILD = """
 import os, signal, sys
-from sharding.training import _checkpoint
+from sharding.training import Checkpointer
 where = sys.argv.pop(1)
-write, save = _checkpoint.write_manifest, _checkpoint.Checkpointer.save
-def write_manifest(step_dir, step):
+save = Checkpointer.save
+def pre_commit(self, step):
     if where == "before-commit" and step == 10:  # all of step 10 written, not yet committed
         os.kill(os.getpid(), signal.SIGKILL)
-    write(step_dir, step)
 def start_save(self, step, *args, **kwargs):
     save(self, step, *args, **kwargs)
     if where == "save-started" and step == 10:  # the async write of step 10 has just begun
         os.kill(os.getpid(), signal.SIGKILL)
-_checkpoint.write_manifest, _checkpoint.Checkpointer.save = write_manifest, start_save
+Checkpointer.pre_commit, Checkpointer.save = pre_commit, start_save
 from sharding.cli import main
 sys.exit(main())
 """
@@ -280,7 +283,7 @@ def test_missing_manifest_is_not_restored(reference, tmp_path):
         ck.meta(5)
 
 
-def test_cli_refuses_unsafe_starts(reference, tmp_path, capsys):
+def test_cli_refuses_unsafe_starts(reference, tmp_path, capsys, unchanged):
     ck_dir = copy_of(reference, tmp_path)
     assert train(*FSDP8, "--checkpoint-dir", str(ck_dir)) == 2
     assert "already holds checkpoints (steps [5, 10]); pass --resume" in capsys.readouterr().err
@@ -290,6 +293,19 @@ def test_cli_refuses_unsafe_starts(reference, tmp_path, capsys):
     assert "step 7 is not in" in capsys.readouterr().err
     assert train(*FSDP8, "--resume") == 2
     assert "--resume need(s) --checkpoint-dir" in capsys.readouterr().err
+    # Resuming an earlier step would replace the later ones: refused, naming both ways on.
+    before = sorted(p.name for p in ck_dir.iterdir())
+    assert train(*FSDP8, "--checkpoint-dir", str(ck_dir), "--resume", "5") == 2
+    err = capsys.readouterr().err
+    assert "would replace the later checkpoint step(s) [10]" in err
+    assert "--overwrite" in err and "--resume 10" in err
+    assert sorted(p.name for p in ck_dir.iterdir()) == before
+    with unchanged(), pytest.raises(WouldOverwriteError, match=r"step\(s\) \[10\]"):
+        fit(models.llama, TrainConfig(size="tiny", strategy="fsdp", mesh="fsdp=8", batch=16,
+                                      seq=32, steps=10, checkpoint_dir=ck_dir, resume=5))  # fmt: skip
+    # A failed --resume STEP on a missing folder does not create it.
+    assert train(*FSDP8, "--checkpoint-dir", str(tmp_path / "none"), "--resume", "5") == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "none").exists()
     with pytest.raises(NoCheckpointError, match="does not exist"):
         Checkpointer(tmp_path / "nothing", read_only=True)
     with pytest.raises(ValueError, match="SRC and DST are both"):
@@ -331,6 +347,7 @@ def test_elastic_batch_errors_name_the_fix():
     with pytest.raises(ElasticPolicyError, match=r"unknown elastic policy 'grow'"):
         elastic_batch(_meta(16, 1, data=8), {"data": 4}, "grow")
     assert tuple(train_cmd.ELASTIC_POLICIES) == ("keep-batch", "shrink-batch")
+    assert train_cmd.ELASTIC_POLICIES is ELASTIC_POLICIES  # one definition, the library's
 
 
 def test_keep_k_and_synchronous_saves(tmp_path):

@@ -4,7 +4,6 @@ single-process loss curve; a dead peer stops the survivor with a clear message).
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -16,30 +15,25 @@ import time
 import numpy as np
 import pytest
 
-from sharding.cli import main, train
-from sharding.cli.launch import LaunchError, free_port, launch, process_commands
+from sharding.cli import main
 from sharding.training import (
     DistributedConfigError,
+    LaunchError,
     ProcessGroup,
     devices_per_process,
-    init_from_args,
+    free_port,
+    join_run,
+    launch,
+    process_commands,
     resolve_process_group,
 )
 
 MESH = "data=2,fsdp=2,tensor=2"
 TRAIN = ["train", "--model", "llama", "--size", "tiny", "--strategy", "fsdp_tp",
          "--batch", "8", "--seq", "32"]  # fmt: skip
-# `spmdkit launch` in a child process (through the CLI once `launch` is one of its COMMANDS).
-LAUNCHER = [sys.executable, "-c", """
-import argparse, sys
-from sharding.cli import COMMANDS, launch, main
-if "launch" in COMMANDS:
-    sys.exit(main(["launch", *sys.argv[1:]]))
-p = argparse.ArgumentParser(prog="spmdkit")
-launch.add_parser(p.add_subparsers())
-a = p.parse_args(["launch", *sys.argv[1:]])
-sys.exit(a.run(a))
-"""]  # fmt: skip
+# `spmdkit launch` in a child process.
+LAUNCHER = [sys.executable, "-c",
+            "import sys; from sharding.cli import main; sys.exit(main(['launch', *sys.argv[1:]]))"]  # fmt: skip
 DIST_ENV = ("SPMDKIT_COORDINATOR", "SPMDKIT_NUM_PROCESSES", "SPMDKIT_PROCESS_ID",
             "JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
             "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")  # fmt: skip
@@ -109,24 +103,24 @@ def test_devices_per_process():
         devices_per_process(ProcessGroup("h:1", 4, 0, "flags"), None, 6)
 
 
-def test_init_from_args_is_a_no_op_for_one_process(monkeypatch, tmp_path):
+def test_join_run_is_a_no_op_for_one_process(monkeypatch, capsys):
     for k in DIST_ENV:
         monkeypatch.delenv(k, raising=False)
-    p = argparse.ArgumentParser()
-    train.add_parser(p.add_subparsers())
-    args = p.parse_args(["train", "--mesh", MESH, "--metrics", str(tmp_path / "m.jsonl")])
-    before = vars(args).copy()
-    assert init_from_args(args) is None
-    assert vars(args) == before and args.heartbeat_timeout == 10
+    assert join_run(mesh=MESH) is None
+    assert join_run(mesh=MESH, devices=8, env={"WORLD_SIZE": "1", "RANK": "0"}) is None
+    with pytest.raises(SystemExit):  # the CLI's default heartbeat is the library's, 10 s
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--heartbeat-timeout S seconds without a heartbeat before a peer counts as dead "
+        "(default: 10)" in help_text
+    )
 
 
 def test_heartbeat_timeout_must_be_positive():
-    p = argparse.ArgumentParser()
-    train.add_parser(p.add_subparsers())
-    args = p.parse_args(["train", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
-                         "--process-id", "0", "--mesh", MESH, "--heartbeat-timeout", "0"])  # fmt: skip
     with pytest.raises(DistributedConfigError, match=r"--heartbeat-timeout 0 must be >= 1"):
-        init_from_args(args)
+        join_run(coordinator="127.0.0.1:1", num_processes=2, process_id=0, mesh=MESH,
+                 heartbeat_timeout_s=0)  # fmt: skip
 
 
 # ---------------------------------------------------------------- the launcher
@@ -147,11 +141,12 @@ def test_process_commands_and_their_errors():
 
 
 def test_launch_stops_the_others_when_one_fails():
-    code = "import sys, time; print('up', flush=True); time.sleep(float(sys.argv[1])); sys.exit(int(sys.argv[2]))"
+    # Each process reads its id (the last argument): process 0 sleeps, process 1 fails soon.
+    code = ("import sys, time; print('up', flush=True); i = int(sys.argv[-1]); "
+            "time.sleep([60, 0.2][i]); sys.exit([0, 3][i])")  # fmt: skip
     out = io.StringIO()
     start = time.monotonic()
-    rc = launch([["60", "0"], ["0.2", "3"]], out=out, grace_s=5,
-                executable=[sys.executable, "-c", code])  # fmt: skip
+    rc = launch(["train"], 2, out=out, grace_s=5, executable=[sys.executable, "-c", code])
     assert rc == 3 and time.monotonic() - start < 20
     text = out.getvalue()
     assert "[p0] up" in text and "[p1] up" in text
@@ -160,7 +155,7 @@ def test_launch_stops_the_others_when_one_fails():
 
 def test_launch_succeeds_when_all_succeed():
     out = io.StringIO()
-    assert launch([[], []], out=out, executable=[sys.executable, "-c", "print('ok')"]) == 0
+    assert launch(["train"], 2, out=out, executable=[sys.executable, "-c", "print('ok')"]) == 0
     assert out.getvalue().count("] ok") == 2
 
 

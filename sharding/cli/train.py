@@ -24,9 +24,9 @@ from sharding.cli._common import (
     positive_int,
     setup_devices,
 )
+from sharding.cli._multihost import add_distributed_args, join_from_args
 from sharding.costmodel import LM_FAMILIES  # the families train takes: the language models
 from sharding.training import ELASTIC_POLICIES, NonFiniteLossError, TrainConfig, fit
-from sharding.training._distributed import add_distributed_args, init_from_args
 
 _FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 
@@ -93,7 +93,7 @@ def _step(text: str) -> int | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    init_from_args(args)  # joins a multi-process run (no-op for one process)
+    join_from_args(args)  # joins a multi-process run (no-op for one process)
     spec = setup_devices(args.mesh, args.devices)
 
     import models

@@ -1,10 +1,13 @@
-"""The training runtime: data, checkpoints (orbax), elastic restarts, multi-process runs.
+"""The training runtime: the loop (`fit`), data, checkpoints (orbax), elastic restarts, processes.
 
+`fit(family, TrainConfig(...))` is everything `spmdkit train` does, returning a `TrainResult`;
 `dataset_from_arg` / `process_batch` feed a step the rows this process's devices hold;
 `Checkpointer` saves and restores the whole train state into any mesh's shardings, with a CRC
 manifest so a damaged step is an error, never a partial restore; `elastic_batch` decides how a
-resumed run splits its batch on another device count; `resolve_process_group` / `initialize` join
-a `jax.distributed` run. Every input error is a `TrainingError`.
+resumed run splits its batch on another device count; `reshard` rewrites a checkpoint for another
+mesh and strategy ahead of time; `join_run` joins a `jax.distributed` run (`resolve_process_group`,
+`initialize`) and `launch` runs a command as N local processes of one. Every input error is a
+`TrainingError`.
 """
 
 from sharding.training._checkpoint import (
@@ -14,6 +17,15 @@ from sharding.training._checkpoint import (
     NoCheckpointError,
     check_compatible,
     flatten_state,
+)
+from sharding.training._config import (
+    ConflictingSettingsError,
+    InvalidSettingError,
+    OutputPathError,
+    SequenceTooLongError,
+    TrainConfig,
+    TrainConfigError,
+    WouldOverwriteError,
 )
 from sharding.training._data import (
     BYTE_VOCAB,
@@ -31,12 +43,14 @@ from sharding.training._data import (
     process_batch,
 )
 from sharding.training._distributed import (
+    HEARTBEAT_TIMEOUT_S,
     DistributedConfigError,
     DistributedInitError,
+    JoinedRun,
     ProcessGroup,
     devices_per_process,
-    init_from_args,
     initialize,
+    join_run,
     resolve_process_group,
 )
 from sharding.training._elastic import (
@@ -48,31 +62,56 @@ from sharding.training._elastic import (
     reshard_checkpoint,
 )
 from sharding.training._errors import TrainingError
+from sharding.training._fit import NonFiniteLossError, fit
+from sharding.training._launch import (
+    LAUNCH_GRACE_S,
+    LaunchError,
+    free_port,
+    launch,
+    process_commands,
+)
 from sharding.training._manifest import CheckpointError, CorruptCheckpointError
+from sharding.training._reshard import ReshardError, ReshardResult, reshard
+from sharding.training._result import TrainResult
 
 __all__ = [
     "BYTE_VOCAB",
     "ELASTIC_POLICIES",
+    "HEARTBEAT_TIMEOUT_S",
+    "LAUNCH_GRACE_S",
     "ArithmeticText",
     "BatchPlan",
     "CheckpointError",
     "CheckpointMeta",
     "CheckpointMismatchError",
     "Checkpointer",
+    "ConflictingSettingsError",
     "CorruptCheckpointError",
     "DataError",
     "DataFileNotFoundError",
     "DistributedConfigError",
     "DistributedInitError",
     "ElasticPolicyError",
+    "InvalidSettingError",
+    "JoinedRun",
+    "LaunchError",
     "NoCheckpointError",
+    "NonFiniteLossError",
+    "OutputPathError",
     "ProcessGroup",
+    "ReshardError",
+    "ReshardResult",
+    "SequenceTooLongError",
     "TokenFile",
     "TokenFileFormatError",
     "TokenFileTooShortError",
     "TokenOutOfRangeError",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainResult",
     "TrainingError",
     "VocabTooSmallError",
+    "WouldOverwriteError",
     "check_compatible",
     "checkpoint_shardings",
     "dataset_from_arg",
@@ -80,10 +119,15 @@ __all__ = [
     "devices_per_process",
     "elastic_batch",
     "encode",
+    "fit",
     "flatten_state",
-    "init_from_args",
+    "free_port",
     "initialize",
+    "join_run",
+    "launch",
     "process_batch",
+    "process_commands",
+    "reshard",
     "reshard_checkpoint",
     "resolve_process_group",
 ]

@@ -176,7 +176,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
             create=not read_only,
             # Always orbax's async path, for its pre-commit hook; a synchronous save waits.
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._before_commit),
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._finalize),
         )
         self._sync = not async_save
         self._mgr = ocp.CheckpointManager(
@@ -205,19 +205,47 @@ class Checkpointer:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
+    def pre_commit(self, step: int) -> None:
+        """Hook: runs once every file of ``step`` is written, before its manifest and the rename
+        that commits it. Does nothing; override (or patch) it to observe commits or to test a
+        save that dies at that moment (the step then stays an ignored temporary directory).
+
+        Runs in orbax's background thread for an asynchronous save.
+        """
+
+    def _finalize(self) -> None:
+        self.pre_commit(self._pending)
+        self._before_commit()
+
     def _before_commit(self) -> None:
         # Runs in orbax's background thread after every item is written and before the rename
-        # that commits the step: the manifest is committed atomically with the arrays.
+        # that commits the step: the manifest is committed atomically with the arrays. In a
+        # multi-process run every process writes its own shards into the same step directory;
+        # orbax calls this on the primary process (0) only, after the barrier each process
+        # reaches once its own writes are done and after the per-process parts are merged, so
+        # process 0's manifest covers every process's files. That order is orbax's, not ours:
+        # a step lacking a process's part is refused here (never committed), and a file the
+        # manifest does not list fails verification on restore.
+        from sharding.training._manifest import missing_processes
+
         if jax.process_index() != 0:
             return
         step = self._pending
         tmps = glob.glob(str(self.directory / f"{step}.orbax-checkpoint-tmp*"))
         if tmps:
-            write_manifest(Path(max(tmps, key=os.path.getmtime)), step)
+            step_dir = Path(max(tmps, key=os.path.getmtime))
         elif self.step_dir(step).is_dir():  # a temporary-path scheme that writes in place
-            write_manifest(self.step_dir(step), step)
+            step_dir = self.step_dir(step)
         else:
             raise CheckpointError(f"checkpoint step {step}: no directory to write the manifest in")
+        missing = missing_processes(step_dir, jax.process_count())
+        if missing:
+            raise CheckpointError(
+                f"checkpoint step {step}: process(es) {', '.join(map(str, missing))} of "
+                f"{jax.process_count()} left no shards in {step_dir} by the time it was to be "
+                f"committed; the step is not committed and the previous one stays the latest"
+            )
+        write_manifest(step_dir, step)
 
     # -- save ----------------------------------------------------------------------------------
 
@@ -225,6 +253,11 @@ class Checkpointer:
         """Start saving ``state`` as ``step`` (waits for the previous save first).
 
         ``overwrite`` replaces an existing step (a resumed run replaying steps past its start).
+
+        Example:
+            >>> ck.save(10, state, meta)  # doctest: +SKIP
+            >>> ck.wait(); ck.steps()  # doctest: +SKIP
+            [10]
         """
         if self.read_only:
             raise CheckpointError(f"{self.directory} is opened read-only; cannot save step {step}")
@@ -233,7 +266,8 @@ class Checkpointer:
             if not overwrite:
                 raise CheckpointError(
                     f"checkpoint step {step} already exists in {self.directory}; pass "
-                    f"overwrite=True to replace it, or save to another directory"
+                    f"overwrite=True (spmdkit train: --overwrite) to replace it, or save to "
+                    f"another directory"
                 )
             self._mgr.delete(step)
         meta = dataclasses.replace(

@@ -12,19 +12,22 @@ first match wins:
 
 Each process then owns its local devices (on a CPU-only host: ``--devices`` simulated CPU devices
 per process, collectives over gloo), the mesh spans every process's devices, and each process
-loads only its rows of the global batch. Liveness is bounded: a process whose peer dies stops
-within about ``--heartbeat-timeout`` seconds with an error naming the lost peer, instead of
-waiting in a collective forever.
+loads only its rows of the global batch. Liveness is bounded: the coordination service notices a
+dead peer within ``heartbeat_timeout_s`` and fails the collectives of the others, so they stop
+with an error instead of waiting forever (what a failed process then prints and how it exits is
+the CLI's policy, `sharding.cli`).
+
+`join_run` does it all from plain arguments: settings, devices per process, `initialize`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from sharding._devices import cpu_only
+from sharding._mesh import MeshSpec
 from sharding.training._errors import TrainingError
 
 HEARTBEAT_TIMEOUT_S = 10
@@ -55,23 +58,6 @@ class ProcessGroup:
     def __str__(self) -> str:
         where = self.coordinator or "auto-detected"
         return f"process {self.process_id} of {self.num_processes} (coordinator {where}, {self.source})"
-
-
-def add_distributed_args(p: argparse.ArgumentParser) -> None:
-    """Add the ``multi-host (jax.distributed)`` argument group to a subcommand's parser."""
-    g = p.add_argument_group(
-        "multi-host (jax.distributed)",
-        "Omit for one process. Also read from SPMDKIT_COORDINATOR/SPMDKIT_NUM_PROCESSES/"
-        "SPMDKIT_PROCESS_ID, torchrun's MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK, or SLURM. "
-        "On CPU hosts --devices counts the simulated devices of each process.",
-    )
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="address of process 0's coordination service")  # fmt: skip
-    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
-    g.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
-    g.add_argument("--heartbeat-timeout", type=int, default=HEARTBEAT_TIMEOUT_S, metavar="S",
-                   help="seconds without a heartbeat before a peer counts as dead "
-                   "(default: %(default)s)")  # fmt: skip
 
 
 def _int(value: str | int | None, name: str, source: str) -> int | None:
@@ -178,8 +164,12 @@ def initialize(
     """Join the run: gloo CPU collectives, ``cpu_devices`` simulated devices, `jax.distributed`.
 
     Must run before any JAX computation. A dead peer is noticed by the coordination service within
-    ``heartbeat_timeout_s``, and the survivors exit instead of waiting; the shutdown barrier at
-    exit is bounded by the same time, so a survivor never waits long for a peer that is gone.
+    ``heartbeat_timeout_s`` and the survivors' collectives fail instead of waiting; the shutdown
+    barrier at exit is bounded by the same time, so a survivor never waits long for a peer that is
+    gone.
+
+    Example:
+        >>> initialize(ProcessGroup("10.0.0.1:1234", 2, 0, "flags"), cpu_devices=4)  # doctest: +SKIP
     """
     import jax
 
@@ -203,71 +193,68 @@ def initialize(
             f"{str(e).strip().splitlines()[0]}. Check that all {group.num_processes} processes "
             f"started with the same coordinator and process count and distinct ids"
         ) from e
-    _install_peer_error_hook(group, heartbeat_timeout_s)
 
 
-def init_from_args(args: argparse.Namespace) -> ProcessGroup | None:
-    """Join a multi-process run as the parsed flags and environment say; no-op for one process.
+@dataclass(frozen=True)
+class JoinedRun:
+    """This process's place in the multi-process run `join_run` joined.
 
-    Call before anything initialises JAX. On CPU-only hosts this fixes ``args.devices`` to the
-    simulated devices of this process; on processes other than 0 it drops ``args.metrics``, so
-    only process 0 writes the metrics file.
+    ``devices`` is the number of simulated CPU devices of this process (None on a host with real
+    accelerators, where each process owns its local devices).
     """
-    group = resolve_process_group(args.coordinator, args.num_processes, args.process_id)
+
+    group: ProcessGroup
+    devices: int | None
+    heartbeat_timeout_s: int
+
+    @property
+    def writes_metrics(self) -> bool:
+        """Whether this process writes the per-step metrics file: process 0 only, so the file
+        has one line per step, not one per process."""
+        return self.group.process_id == 0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self.group), "devices": self.devices,
+                "heartbeat_timeout_s": self.heartbeat_timeout_s}  # fmt: skip
+
+    def __str__(self) -> str:
+        return str(self.group)
+
+
+def join_run(
+    *,
+    mesh: str | MeshSpec | None = None,
+    devices: int | None = None,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> JoinedRun | None:
+    """Join the multi-process run the arguments (else the environment) describe; None for one.
+
+    Call before anything initialises JAX. On a CPU-only host each process simulates ``devices``
+    CPU devices, or its share of ``mesh`` (the mesh size / the number of processes). The
+    arguments are checked first, whether or not the run is multi-process.
+
+    Example:
+        >>> join_run(mesh="data=2,fsdp=2,tensor=2", env={}) is None  # one process: nothing to do
+        True
+    """
+    if (isinstance(heartbeat_timeout_s, bool) or not isinstance(heartbeat_timeout_s, int)
+            or heartbeat_timeout_s < 1):  # fmt: skip
+        raise DistributedConfigError(
+            f"--heartbeat-timeout {heartbeat_timeout_s!r} must be >= 1 (whole seconds); give the "
+            f"seconds without a heartbeat after which a peer counts as dead, e.g. "
+            f"--heartbeat-timeout {HEARTBEAT_TIMEOUT_S}"
+        )
+    spec = MeshSpec.of(mesh) if mesh else None
+    group = resolve_process_group(coordinator, num_processes, process_id, env)
     if group is None:
         return None
-    from sharding._devices import cpu_only
-    from sharding._mesh import MeshSpec
-
     cpu_devices = None
     if cpu_only():
-        spec = MeshSpec.of(args.mesh) if getattr(args, "mesh", None) else None
         fixed = spec is not None and -1 not in spec.sizes.values()
-        cpu_devices = devices_per_process(group, args.devices, spec.size if fixed else None)
-        args.devices = cpu_devices
-    heartbeat = getattr(args, "heartbeat_timeout", HEARTBEAT_TIMEOUT_S)
-    if heartbeat < 1:
-        raise DistributedConfigError(f"--heartbeat-timeout {heartbeat} must be >= 1 second")
-    initialize(group, cpu_devices, heartbeat)
-    if group.process_id != 0 and getattr(args, "metrics", None) is not None:
-        args.metrics = None
-    return group
-
-
-_HOOKED = False
-# Fragments of the runtime's errors when a peer vanished mid-collective or from the service.
-_PEER_LOST = ("gloo", "connection closed", "connection reset", "heartbeat", "unavailable",
-              "coordination service", "socket closed", "broken pipe")  # fmt: skip
-
-
-def _install_peer_error_hook(group: ProcessGroup, heartbeat_timeout_s: int) -> None:
-    """On an uncaught error: the traceback, then one line saying why, then exit status 1.
-
-    The exit skips the `jax.distributed` shutdown barrier, which can only wait for peers that are
-    gone (and then aborts the process with a C++ stack trace).
-    """
-    global _HOOKED
-    if _HOOKED:
-        return
-    _HOOKED = True
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        previous(kind, value, tb)
-        first = (str(value).strip().splitlines() or [kind.__name__])[0]
-        if any(s in first.lower() for s in _PEER_LOST):
-            why = (f"a peer process is gone ({first}); a multi-process run cannot continue "
-                   f"without all its processes")  # fmt: skip
-        else:
-            why = (f"{kind.__name__}: {first}; the other processes stop within about "
-                   f"{heartbeat_timeout_s} s once they miss this one")  # fmt: skip
-        print(
-            f"spmdkit: {group} stopped: {why}. Restart all {group.num_processes} processes "
-            f"(with --checkpoint-dir and --resume to continue from the last checkpoint)",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.stdout.flush()
-        os._exit(1)
-
-    sys.excepthook = hook
+        cpu_devices = devices_per_process(group, devices, spec.size if fixed else None)
+    initialize(group, cpu_devices, heartbeat_timeout_s)
+    return JoinedRun(group, cpu_devices, heartbeat_timeout_s)

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 from jax import sharding as jshard
 
-from sharding._mesh import mesh_sizes, mesh_text
-from sharding._step import BATCH_AXES, shardings_like_params
+from sharding._mesh import BATCH_AXES, mesh_sizes, mesh_text
+from sharding._shardings import shardings_like_params
 from sharding.training._checkpoint import Checkpointer, CheckpointError, CheckpointMeta
 
 ELASTIC_POLICIES = ("keep-batch", "shrink-batch")
