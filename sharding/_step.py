@@ -8,8 +8,6 @@ shardings, and the model code never changes between strategies.
 
 from __future__ import annotations
 
-import functools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,115 +32,18 @@ from sharding._checks import (
 )
 from sharding._init import abstract_params
 from sharding._mesh import BATCH_AXES
-from sharding._resolve import path_str, resolve, shard_abstract
+from sharding._resolve import resolve, shard_abstract
+from sharding._shardings import (  # noqa: F401  (re-exported: the errors are the step's)
+    AccumulationError,
+    BatchShardingError,
+    check_batch_split,
+    layer_wrapper,
+    remat_wrapper,
+    shardings_like_params,
+)
 from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
 
-REMAT_POLICIES = ("none", "full", "dots")
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-class BatchShardingError(StepConfigError):
-    """The global batch does not split evenly over the batch mesh axes."""
-
-
-class AccumulationError(StepConfigError):
-    """Gradient accumulation steps do not divide the batch evenly."""
-
-
-def remat_wrapper(policy: str) -> Callable | None:
-    """The per-layer wrapper for a remat policy name: none, full, or dots (save matmul outputs)."""
-    if policy == "none":
-        return None
-    if policy == "full":
-        return jax.checkpoint
-    if policy == "dots":
-        return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
-    raise StepConfigError(f"unknown remat policy {policy!r}; choose one of {REMAT_POLICIES}")
-
-
-def layer_wrapper(remat: str, mesh: jshard.Mesh) -> Callable:
-    """Wraps the per-layer body of a scanned stack: pins the carried activations to the batch
-    sharding at every layer boundary, then applies the remat policy.
-
-    Without the pin, XLA is free to keep FSDP weights sharded and all-reduce activations instead
-    (for small models it often does), which is not ZeRO-3; with it, the batch stays split over
-    ("data", "fsdp") and a weight sharded over fsdp must be all-gathered where it is used.
-    """
-    checkpoint = remat_wrapper(remat)
-
-    def wrap(body: Callable) -> Callable:
-        def pinned(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
-            spec = jshard.PartitionSpec(BATCH_AXES, *([None] * (h.ndim - 1)))
-            pin = functools.partial(
-                jax.lax.with_sharding_constraint, shardings=jshard.NamedSharding(mesh, spec)
-            )
-            out, ys = body(pin(h), layer)
-            return pin(out), ys
-
-        return checkpoint(pinned) if checkpoint else pinned
-
-    return wrap
-
-
-def check_batch_split(batch_shapes: dict, mesh_shape: dict[str, int], accum_steps: int) -> int:
-    """Validate the global batch against the mesh and accumulation; returns the batch size."""
-    sizes = {k: v.shape[0] for k, v in batch_shapes.items()}
-    if len(set(sizes.values())) != 1:
-        raise BatchShardingError(f"batch entries disagree on the batch dimension: {sizes}")
-    batch = next(iter(sizes.values()))
-    split = math.prod(mesh_shape.get(a, 1) for a in BATCH_AXES)
-    split_txt = "x".join(f"{a}={mesh_shape.get(a, 1)}" for a in BATCH_AXES)
-    if accum_steps < 1:
-        raise AccumulationError(f"accumulation steps must be >= 1, got {accum_steps}")
-    if batch % accum_steps:
-        raise AccumulationError(
-            f"global batch {batch} is not divisible by {accum_steps} accumulation steps; use a "
-            f"batch that is a multiple of {accum_steps} (e.g. {_round_up(batch, accum_steps)}) or "
-            f"an accumulation count that divides {batch}"
-        )
-    micro = batch // accum_steps
-    if micro % split:
-        what = f"micro-batch {micro} (global batch {batch} / {accum_steps} accumulation steps)"
-        if accum_steps == 1:
-            what = f"global batch {batch}"
-        raise BatchShardingError(
-            f"{what} is not divisible by {split_txt} = {split} devices that split the batch; use "
-            f"a global batch that is a multiple of {split * accum_steps} "
-            f"(e.g. {_round_up(batch, split * accum_steps)}), or fewer data/fsdp devices"
-        )
-    return batch
-
-
-def _round_up(n: int, k: int) -> int:
-    return max(k, -(-n // k) * k)
-
-
-def shardings_like_params(tree: Any, params: Any, param_shardings: Any, mesh: jshard.Mesh) -> Any:
-    """Shardings for a tree that embeds copies of the parameter tree (optimizer state).
-
-    A leaf takes the sharding of the parameter whose path is the longest suffix of its own path
-    and whose shape matches (Adam's ``mu/layers/attn/q/kernel`` -> ``layers/attn/q/kernel``);
-    anything else (step counts, scalars) is replicated.
-    """
-    by_path = {
-        path_str(p): (leaf.shape, s)
-        for (p, leaf), s in zip(
-            jax.tree_util.tree_leaves_with_path(params),
-            jax.tree.leaves(param_shardings),
-            strict=True,
-        )
-    }
-    replicated = jshard.NamedSharding(mesh, jshard.PartitionSpec())
-
-    def pick(key_path: tuple, leaf: Any) -> jshard.NamedSharding:
-        parts = path_str(key_path).split("/")
-        for i in range(len(parts)):
-            hit = by_path.get("/".join(parts[i:]))
-            if hit and tuple(hit[0]) == tuple(leaf.shape):
-                return hit[1]
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(pick, tree)
 
 
 @dataclass

@@ -6,12 +6,11 @@ counts matmul FLOPs loop-aware; `device_peak` / `host_peak` give the FLOP/s an M
 """
 
 from sharding.inspection._errors import InspectionError
+from sharding.inspection._flops import MATMUL_KINDS, FlopCount, count_flops
 from sharding.inspection._hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
     CollectiveSummary,
-    FlopCount,
-    count_flops,
     parse_collectives,
     summarize,
 )
@@ -33,6 +32,7 @@ from sharding.inspection._roofline import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "MATMUL_KINDS",
     "PEAK_FLOPS",
     "CollectiveOp",
     "CollectiveSummary",

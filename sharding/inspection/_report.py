@@ -19,12 +19,11 @@ from rich.text import Text
 
 from sharding._mesh import mesh_sizes
 from sharding._units import fmt_bytes, fmt_count
+from sharding.inspection._flops import FlopCount, count_flops
 from sharding.inspection._hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
     CollectiveSummary,
-    FlopCount,
-    count_flops,
     parse_collectives,
     summarize,
 )

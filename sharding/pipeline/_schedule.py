@@ -395,7 +395,5 @@ def _check_sizes(**sizes: Any) -> None:
     bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         got = ", ".join(f"{k}={v!r}" for k, v in bad.items())
-        raise ScheduleSizeError(
-            f"{', '.join(bad)} must be integers >= 1, got {got}; "
-            + ", ".join(_SIZE_HINTS[k] for k in bad)
-        )
+        hints = ", ".join(_SIZE_HINTS[k] for k in bad)
+        raise ScheduleSizeError(f"{', '.join(bad)} must be integers >= 1, got {got}; {hints}")
