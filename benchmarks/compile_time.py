@@ -18,11 +18,12 @@ def compile_seconds(strategy: str, mesh_spec: str, *, layers: int, batch: int, s
                     schedule: str | None = None, microbatches: int = 0, repeats: int = 2) -> float:  # fmt: skip
     """Best wall time over ``repeats`` fresh compiles of the train step."""
     import models
-    from sharding.comparison import Candidate, CompareConfig, build
+    from sharding.comparison import CompareConfig, build
+    from sharding.costmodel import Layout
 
     fam = models.get_family("llama")
     cfg = fam.config("tiny", n_layers=layers)
-    cand = Candidate(strategy, mesh_spec, schedule, microbatches or None)
+    cand = Layout(strategy, mesh_spec, schedule, microbatches or None)
     best = float("inf")
     for _ in range(repeats):
         # A new program (new closures) every time: no in-memory cache hit.

@@ -10,7 +10,7 @@ MFU = model FLOPs per step / step time / peak FLOP/s of the device. Model FLOPs 
 FLOPs of the compiled step without recomputation (`ProgramReport.matmul_flops`, every scan
 iteration counted); ``6 * N * tokens`` is shown beside them for reference. The peak is the
 datasheet figure on an accelerator and a measured matmul roofline on CPU
-(`sharding.inspection._roofline.host_peak`).
+(`sharding.inspection.host_peak`).
 
     python -m benchmarks.mfu                          # auto size, CPU: float32, 4GB
     python -m benchmarks.mfu --size 1b --dtype bfloat16 --batch 4 --seq 2048 --remat full
@@ -51,10 +51,11 @@ def train_flops_6nd(n_params: int, tokens: int) -> float:
 
 def _build(fam: Any, cfg: Any, args: Any, device: Any, remat: str) -> Any:
     """The one-device dp program (built, not compiled: its abstract state is sized first)."""
-    from sharding.comparison import Candidate, CompareConfig, build
+    from sharding.comparison import CompareConfig, build
+    from sharding.costmodel import Layout
 
     conf = CompareConfig(batch=args.batch, seq=args.seq, dtype=args.dtype, lr=1e-4, remat=remat)
-    return build(Candidate("dp", "data=1"), fam, cfg, conf, [device])
+    return build(Layout("dp", "data=1"), fam, cfg, conf, [device])
 
 
 def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[str, Any]:

@@ -164,9 +164,10 @@ def maxtext_command(label: str, mesh: str, microbatches: int | None, *, steps: i
 
 
 def run_spmdkit(args: Any) -> list[dict[str, Any]]:
-    """Compile, warm up and time spmdkit's step on each mesh (`sharding.comparison._measure.measure`)."""
+    """Compile, warm up and time spmdkit's step on each mesh (`sharding.comparison.measure`)."""
     import models
-    from sharding.comparison import Candidate, CompareConfig, measure
+    from sharding.comparison import CompareConfig, measure
+    from sharding.costmodel import Layout
 
     fam = models.get_family("llama")
     cfg = fam.config(SIZE)
@@ -177,7 +178,7 @@ def run_spmdkit(args: Any) -> list[dict[str, Any]]:
     for label, strategy, mesh, micro in RUNS:
         if label not in args.meshes:
             continue
-        cand = Candidate(strategy, mesh, "gpipe" if micro else None, micro)
+        cand = Layout(strategy, mesh, "gpipe" if micro else None, micro)
         r = measure(cand, fam, cfg, conf)
         secs = r.step_time_s
         rows.append({

@@ -6,7 +6,7 @@ layers divide into p*r blocks), on llama tiny with 8 layers and a mesh of the fi
 
 - bubble: the schedule's idle stage-ticks (`Schedule.bubble_fraction`), theory;
 - FLOP overhead: matmul FLOPs of the pipelined layer stack over the unpipelined one, measured
-  from compiled programs (`sharding.pipeline._stages.stack_flop_overhead`; n/a for 1f1b, whose ticks
+  from compiled programs (`sharding.pipeline.stack_flop_overhead`; n/a for 1f1b, whose ticks
   branch between forward and backward so a static count charges every branch);
 - temp memory per device and collective-permute bytes per step, from the compiled step;
 - compile time, and the median wall time of a few steps.
@@ -78,14 +78,15 @@ def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
 
     import models
     from sharding import MeshSpec
-    from sharding.comparison import Candidate, CompareConfig, build
+    from sharding.comparison import CompareConfig, build
+    from sharding.costmodel import Layout
     from sharding.pipeline import stack_flop_overhead
 
     fam = models.get_family("llama")
     cfg = fam.config("tiny", n_layers=args.layers)
     n = p * args.data
     batch = args.batch or m * args.data
-    cand = Candidate("pp", str(MeshSpec(stage=p, data=args.data)), schedule, m, REPEATS[schedule])
+    cand = Layout("pp", str(MeshSpec(stage=p, data=args.data)), schedule, m, REPEATS[schedule])
     program = build(cand, fam, cfg, CompareConfig(batch=batch, seq=args.seq), jax.devices()[:n])
     spec, mesh = cand.pipeline(fam), program.mesh
     report = program.report()  # compiles; program.compile_time_s is tracing + XLA

@@ -1,6 +1,6 @@
 """How fast `spmdkit plan` answers: the layout search for sizes that cannot run here.
 
-Times `sharding.costmodel._search.candidates` (every mesh factorisation x strategy x remat x
+Times `sharding.costmodel.candidates` (every mesh factorisation x strategy x remat x
 schedule, predicted by the cost model; no devices, no compilation) for llama 70b on 512 x 80 GB
 and 7b on 8 x 80 GB, best of --repeats, against issue 5's target of under a minute.
 
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sharding import parse_bytes
+    from models import llama
+    from sharding import mesh_text, parse_bytes
     from sharding.costmodel import PROFILES, candidates
 
     memory = parse_bytes(args.memory)
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         best = float("inf")
         for _ in range(args.repeats):
             start = time.perf_counter()
-            ranked = candidates("llama", size, devices, batch, seq, memory_bytes=memory,
+            ranked = candidates(llama, size, devices, batch, seq, memory_bytes=memory,
                                 profile=profile)  # fmt: skip
             best = min(best, time.perf_counter() - start)
         fits = [c for c in ranked if c.fits]
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="left" if col in ("llama", "top layout") else "right")
     for r in rows:
         top = r["top"]
-        mesh = "-" if top is None else ",".join(f"{a}={n}" for a, n in top["mesh"].items() if n > 1)
+        mesh = "-" if top is None else mesh_text(top["mesh"])
         table.add_row(r["size"], str(r["devices"]), f"{r['batch']} x {r['seq']}",
                       str(r["layouts"]), str(r["fit"]), f"{r['seconds']:.1f} s",
                       "-" if top is None else f"{top['strategy']} {mesh}",

@@ -63,13 +63,16 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
 
     import models
     from sharding import state_bytes
-    from sharding.comparison import Candidate, CompareConfig, build
+    from sharding.comparison import CompareConfig, build
+    from sharding.costmodel import Layout
 
     fam = models.get_family("llama")
     cfg = fam.config(args.size, n_layers=args.layers, n_kv_heads=args.kv_heads)
     spec = mesh_for(strategy, n)
     pipelined = strategy == "pp" and n > 1
-    cand = Candidate(strategy, spec, "gpipe" if pipelined else None, 2 * n if pipelined else None)
+    # pp on one device is the unpipelined step: the same program as dp there (one stage).
+    unpiped = "dp" if strategy == "pp" and not pipelined else strategy
+    cand = Layout(unpiped, spec, "gpipe" if pipelined else None, 2 * n if pipelined else None)
     start = time.perf_counter()
     program = build(cand, fam, cfg, CompareConfig(batch=args.batch, seq=args.seq),
                     jax.devices()[:n])  # fmt: skip

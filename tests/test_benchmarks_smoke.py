@@ -9,7 +9,15 @@ import jax
 import optax
 import pytest
 
-from benchmarks import mfu, peer, pipeline_schedules, scaling
+from benchmarks import (
+    compile_time,
+    mfu,
+    overhead,
+    peer,
+    pipeline_schedules,
+    plan_time,
+    scaling,
+)
 from models import llama
 from partition_rules import preset
 from sharding import compile_train_step, make_mesh
@@ -146,3 +154,16 @@ def test_mfu_says_when_no_size_fits(tmp_path):
         mfu.main(argv)
     with pytest.raises(mfu.NoSizeFitsError, match=r"seq 256 > max_seq_len 128"):
         mfu.main(["--size", "tiny", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "bench",
+    [compile_time, mfu, overhead, peer, pipeline_schedules, plan_time, scaling],
+    ids=lambda m: m.__name__.split(".")[-1],
+)
+def test_every_benchmark_answers_help(bench, capsys):
+    """`python -m benchmarks.NAME --help`: each imports and parses (nothing runs)."""
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--help"])
+    assert exit_.value.code == 0
+    assert f"python -m {bench.__name__}" in capsys.readouterr().out

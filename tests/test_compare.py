@@ -6,8 +6,18 @@ import json
 
 import pytest
 
+from models import cnn, llama
 from sharding.cli import main
-from sharding.comparison import Candidate, Result, candidates, recommend
+from sharding.comparison import (
+    CompareArgumentError,
+    NoStrategyFitsError,
+    OutputExistsError,
+    Result,
+    check_output,
+    compare,
+    recommend,
+)
+from sharding.costmodel import Layout, layouts
 from sharding.inspection import Peak, UnknownDeviceKindError, device_peak, mfu
 
 
@@ -16,7 +26,7 @@ def labels(cands):
 
 
 def test_every_strategy_and_schedule_on_8_devices():
-    assert labels(candidates(4, 8)) == [
+    assert labels(layouts(8, 4)) == [
         ("dp", "data=8"),
         ("fsdp", "fsdp=8"),
         ("tp", "tensor=8"),
@@ -28,12 +38,12 @@ def test_every_strategy_and_schedule_on_8_devices():
         ("pp_tp gpipe m=4", "stage=2,data=2,tensor=2"),
         ("pp_fsdp gpipe m=4", "stage=2,fsdp=4"),
     ]
-    tp_shapes = [c.mesh for c in candidates(4, 8, strategies=("tp",))]
+    tp_shapes = [c.mesh for c in layouts(8, 4, strategies=("tp",))]
     assert tp_shapes == ["tensor=8", "data=2,tensor=4", "data=4,tensor=2"]  # tried in order
 
 
 def test_one_mesh_for_every_strategy():
-    got = labels(candidates(4, 8, strategies=("dp", "pp"), mesh="stage=2,data=4"))
+    got = labels(layouts(8, 4, strategies=("dp", "pp"), mesh="stage=2,data=4"))
     assert got == [
         ("dp", "stage=2,data=4"),
         ("pp gpipe m=4", "stage=2,data=4"),
@@ -44,7 +54,7 @@ def test_one_mesh_for_every_strategy():
 
 def test_unknown_strategy_names_the_known():
     with pytest.raises(ValueError, match=r"unknown strategies \['zero3'\]; known: dp, fsdp"):
-        candidates(4, 8, strategies=("zero3",))
+        layouts(8, 4, strategies=("zero3",))
 
 
 def test_peaks_by_device_kind():
@@ -57,7 +67,7 @@ def test_peaks_by_device_kind():
 
 def result(label: str, step_s: float, state: int, peak: int, comm: int = 0) -> Result:
     strategy = label.split()[0]
-    cand = Candidate(strategy, "data=8", "gpipe" if strategy == "pp" else None, 8)
+    cand = Layout(strategy, "data=8", "gpipe" if strategy == "pp" else None, 8)
     return Result(cand, {"data": 8}, state // 3, state, peak, peak // 2, {}, comm, 1e9, 1.0,
                   [step_s], 4096, [5.5], bubble=0.2 if strategy == "pp" else None)  # fmt: skip
 
@@ -76,7 +86,7 @@ def test_recommends_the_fastest_that_fits_and_names_the_leanest():
 def test_nothing_fits_says_the_smallest_memory_needed():
     results = [result("dp", 0.10, 3000, 3000), result("fsdp", 0.12, 400, 500)]
     with pytest.raises(
-        ValueError, match=r"no strategy fits 100 B per device; the least, fsdp .* 500 B"
+        NoStrategyFitsError, match=r"no strategy fits 100 B per device; the least, fsdp .* 500 B"
     ):
         recommend(results, 3000, memory_budget=100)
 
@@ -84,7 +94,7 @@ def test_nothing_fits_says_the_smallest_memory_needed():
 def test_compare_end_to_end(tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["compare", "--strategies", "dp,fsdp_tp,pp", "--batch", "16", "--seq", "32",
-            "--steps", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+            "--timed-steps", "2", "--warmup-steps", "1", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "Recommendation" in text and "strategies measured" in text
@@ -111,11 +121,38 @@ def test_compare_unknown_peak_device_kind_message():
 
 def test_compare_memory_budget_picks_what_fits(tmp_path, capsys):
     out = tmp_path / "cmp"
-    argv = ["compare", "--strategies", "dp,fsdp", "--batch", "16", "--seq", "32", "--steps", "1",
-            "--warmup", "0", "--memory", "4MiB", "--peak-tflops", "1", "--out", str(out)]  # fmt: skip
+    out.mkdir()
+    (out / "compare.json").write_text("{}")  # an earlier run's, replaced under --overwrite
+    argv = ["compare", "--strategies", "dp,fsdp", "--batch", "16", "--seq", "32",
+            "--timed-steps", "1", "--warmup-steps", "0", "--memory", "4MiB", "--peak-tflops", "1",
+            "--out", str(out), "--overwrite"]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "data parallelism alone cannot hold this model" in text
     record = json.loads((out / "compare.json").read_text())
     assert record["recommendation"]["strategy"] == "fsdp"  # dp needs 5.3 MiB, fsdp 2.9 MiB
     assert record["peak"]["source"] == "given" and record["peak"]["per_device"] == 1e12
+
+
+def test_compare_api_refuses_before_anything_compiles(tmp_path, unchanged):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "compare.png").write_text("an earlier chart")
+    with unchanged():
+        for kwargs, match in [
+            ({"batch": 0}, r"--batch 0: give a whole number >= 1"),
+            ({"timed_steps": 0}, r"--timed-steps 0: give a whole number >= 1"),
+            ({"warmup_steps": -1}, r"--warmup-steps -1: give a whole number >= 0"),
+            ({"size": "13b"}, r"--size '13b': unknown llama size; sizes: tiny"),
+            ({"dtype": "float16"}, r"--dtype 'float16': choose one of float32, bfloat16"),
+            ({"memory_budget": -5}, r"--memory -5: give the memory per device"),
+            ({"peak_tflops": float("inf")}, r"--peak-tflops inf: give the peak TFLOP/s"),
+        ]:
+            with pytest.raises(CompareArgumentError, match=match):
+                compare(llama, **kwargs)
+        with pytest.raises(CompareArgumentError, match=r"--model 'cnn': compare measures the "):
+            compare(cnn)
+        with pytest.raises(
+            OutputExistsError, match=r"already holds compare\.png; pass --overwrite"
+        ):
+            check_output(tmp_path / "old")
+    assert check_output(tmp_path / "old", overwrite=True) == tmp_path / "old"

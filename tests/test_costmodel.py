@@ -151,3 +151,9 @@ def test_rejects_what_it_cannot_predict():
         predict(models.llama, "tiny", "dp", {"data": 8}, 8, 32, optimizer="lion")
     with pytest.raises(RuleError, match=r"not divisible by tensor=16"):
         predict(models.llama, "tiny", "tp", {"tensor": 16}, 8, 32)
+
+
+def test_docstring_examples_of_the_public_names(doctests):
+    import sharding.costmodel
+
+    assert doctests(sharding.costmodel) >= 8  # Layout, layouts, meshes, strategy_names, ...

@@ -8,10 +8,13 @@ import json
 import math
 
 import pytest
+from rich.console import Console
 
 from models import llama
+from sharding import costmodel
 from sharding.cli import plan
 from sharding.costmodel import (
+    DEFAULT_SIZES,
     PROFILES,
     CostModelError,
     NoFittingStrategyError,
@@ -65,7 +68,7 @@ def test_a_model_that_fits_nowhere_says_the_memory_it_needs():
 
 
 def test_unknown_strategy_names_the_known_ones():
-    with pytest.raises(CostModelError, match=r"unknown strategies \['zero'\]; strategies: dp"):
+    with pytest.raises(CostModelError, match=r"unknown strategies \['zero'\]; known: dp"):
         candidates(llama, "tiny", 8, 8, 32, strategies=("zero",), memory_bytes=GB,
                    profile=H100)  # fmt: skip
 
@@ -92,3 +95,25 @@ def test_cli_table_for_sizes_that_cannot_run_here(capsys):
     assert _cli(["--size", "70b", "--devices", "512", "--memory", "80GB", "--top", "3"]) == 0
     text = capsys.readouterr().out
     assert "on 512 devices" in text and "yes" in text and "h100-80gb" in text
+
+
+def test_cli_gpt2_without_size_takes_the_family_default(capsys):
+    assert _cli(["--model", "gpt2", "--aot", "0", "--top", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "gpt2" and out["size"] == DEFAULT_SIZES["gpt2"] == "1.5b"
+    assert len(out["candidates"]) == 2 and out["candidates"][0]["fits"]
+
+
+def test_plan_api_overrides_layers_and_notes_a_skipped_aot():
+    # This process holds 8 devices, so an AOT compile for 16 is skipped, and says so.
+    result = costmodel.plan(llama, size="tiny", devices=16, seq=32, layers=2, strategies="dp,fsdp,pp",
+                  aot=1, top=3)  # fmt: skip
+    assert result.layers == 2 and result.batch == 16 and len(result.shown) == 3
+    assert all(c.layout.mesh == c.mesh_text for c in result.ranked)
+    assert {c.prediction.strategy for c in result.ranked} == {"dp", "fsdp", "pp"}
+    assert "AOT skipped: 8 devices here, not 16" in result.to_dict()["assumptions"]
+    assert json.loads(result.to_json())["layers"] == 2
+    console = Console(width=200, record=True)
+    console.print(result.table())
+    text = console.export_text()
+    assert "llama tiny (2 layers) on 16 devices" in text and "AOT skipped" in text

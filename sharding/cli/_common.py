@@ -42,13 +42,17 @@ def sizes_text(family: str) -> str:
 
 
 def add_model_args(
-    p: argparse.ArgumentParser, *, size: str = "tiny", families: tuple[str, ...] | None = None
+    p: argparse.ArgumentParser,
+    *,
+    size: str | None = "tiny",
+    families: tuple[str, ...] | None = None,
+    size_help: str = "",
 ) -> None:
     families = tuple(families or sorted(models.FAMILIES))
     sizes = "; ".join(f"{f}: {sizes_text(f)}" for f in families)
-    p.add_argument("--model", default=families[0] if "llama" not in families else "llama",
+    p.add_argument("--model", default="llama" if "llama" in families else families[0],
                    choices=families, help="model family")  # fmt: skip
-    p.add_argument("--size", default=size, help=f"named size of the family ({sizes})")
+    p.add_argument("--size", default=size, help=f"named size of the family ({sizes}){size_help}")
 
 
 def add_strategy_args(p: argparse.ArgumentParser, *, default: str = "fsdp_tp") -> None:
@@ -117,11 +121,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def add_devices_arg(p: argparse.ArgumentParser, default: int | None = None) -> None:
+def add_devices_arg(
+    p: argparse.ArgumentParser,
+    default: int | None = None,
+    help: str = "number of devices the mesh spans (simulated on a CPU-only host; when unset: "
+    "the mesh's size, or 8 with a -1 axis)",
+) -> None:
     """--devices: one meaning in every command, the number of devices the run spans."""
-    p.add_argument("--devices", type=positive_int, default=default, metavar="N",
-                   help="number of devices the mesh spans (simulated on a CPU-only host; when "
-                   "unset: the mesh's size, or 8 with a -1 axis)")  # fmt: skip
+    p.add_argument("--devices", type=positive_int, default=default, metavar="N", help=help)
 
 
 def console(stderr: bool = False) -> Console:

@@ -8,140 +8,108 @@ writes JSON and a PNG chart.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import time
 from pathlib import Path
 
-from sharding.cli._common import add_model_args, console, setup_devices
-from sharding.cli.train import LM_FAMILIES
+from sharding.cli._common import (
+    add_command,
+    add_devices_arg,
+    add_model_args,
+    console,
+    non_negative_int,
+    positive_int,
+    setup_devices,
+)
+from sharding.costmodel import LM_FAMILIES
+
+
+class _Renamed(argparse.Action):
+    """A flag that was renamed: refuse it, naming the new one (one meaning per flag name)."""
+
+    def __init__(self, option_strings, dest, *, new: str, **kwargs):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(self, f"renamed: use {self.new} {values}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="measure and compare strategies (the main job)",
-                       description=__doc__)  # fmt: skip
-    add_model_args(p)
-    p.add_argument("--devices", type=int, help="simulated CPU devices (CPU hosts; default 8)")
+    p = add_command(sub, "compare", help="measure and compare strategies (the main job)",
+                    doc=__doc__, examples=["", "--strategies dp,fsdp --timed-steps 2",
+                                           "--model gpt2 --memory 80GB --out gpt2-compare"])  # fmt: skip
+    add_model_args(p, families=LM_FAMILIES)
+    add_devices_arg(p)
     p.add_argument("--mesh", help="run every strategy on this one mesh instead of its own shape")
-    p.add_argument("--strategies", help="comma-separated subset, e.g. dp,fsdp,pp")
-    p.add_argument("--batch", type=int, default=32, help="global batch (default: %(default)s)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps each (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--strategies", help="comma-separated subset, e.g. dp,fsdp,pp (default: all)")
+    p.add_argument("--batch", type=positive_int, default=32, help="global batch in sequences")
+    p.add_argument("--seq", type=positive_int, default=128, help="sequence length")
+    p.add_argument("--timed-steps", type=positive_int, default=8,
+                   help="timed steps per layout (the median is reported)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=non_negative_int, default=2,
+                   help="untimed steps per layout before the timed ones")  # fmt: skip
+    p.add_argument("--steps", action=_Renamed, new="--timed-steps")
+    p.add_argument("--warmup", action=_Renamed, new="--warmup-steps")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="compute dtype")  # fmt: skip
     p.add_argument("--memory", help="memory per device, e.g. 80GB: adds a fits column")
     p.add_argument("--peak-tflops", type=float,
-                   help="peak TFLOP/s per device for MFU (default: datasheet, or measured on CPU)")  # fmt: skip
+                   help="peak TFLOP/s per device for MFU (when unset: the datasheet, or "
+                   "measured on CPU)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("compare-out"),
-                   help="folder for compare.json and compare.png (default: %(default)s)")  # fmt: skip
+                   help="folder for compare.json and compare.png")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace compare.json / compare.png already in --out")  # fmt: skip
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from sharding._units import parse_bytes
-
-    budget = parse_bytes(args.memory) if args.memory else None
-    if args.model not in LM_FAMILIES:
-        raise ValueError(
-            f"spmdkit compare measures language models ({', '.join(LM_FAMILIES)}); "
-            f"{args.model!r} is compared through the Python API (sharding.comparison._measure.measure)"
-        )
-    setup_devices(args.mesh, args.devices)
-
-    import jax
-
     import models
-    from sharding.comparison import (
-        CompareConfig,
-        Skipped,
-        candidates,
-        comparison_table,
-        measure,
-        recommend,
-        reference,
-    )
-    from sharding.inspection import host_peak
+    from sharding.comparison import CompareError, check_output, compare
 
+    check_output(args.out, overwrite=args.overwrite)  # before anything is measured
+    setup_devices(args.mesh, args.devices)
     out = console()
-    fam = models.get_family(args.model)
-    cfg = fam.config(args.size)
-    conf = CompareConfig(args.model, args.size, args.batch, args.seq, args.dtype, args.steps,
-                         args.warmup)  # fmt: skip
-    fam.batch_shapes(cfg, conf.batch, conf.seq)  # checks seq against the model first
-    strategies = tuple(args.strategies.split(",")) if args.strategies else None
-    todo = candidates(cfg.n_layers, jax.device_count(), strategies=strategies, mesh=args.mesh)
-    devices = jax.devices()
-    simulated = devices[0].platform == "cpu"
-    peak = host_peak(devices, dtype=args.dtype, tflops=args.peak_tflops)
-    started = time.perf_counter()
-    results, skipped = [], []
-    with _progress(out) as progress:
-        flops_task = progress.add_task("unsplit step (1 device)", total=1)
-        useful, unsplit = reference(fam, cfg, conf)
-        progress.update(flops_task, advance=1)
-        placed: set[str] = set()
-        for cand in todo:
-            if cand.fallback and cand.strategy in placed:
-                continue
-            task = progress.add_task(f"{cand.label} on {cand.mesh}", total=conf.warmup + conf.steps)
-            try:
-                results.append(measure(cand, fam, cfg, conf, useful_flops=useful, peak=peak,
-                                       on_step=lambda t=task: progress.advance(t)))  # fmt: skip
-                placed.add(cand.strategy)
-            except ValueError as e:  # a strategy the model or mesh cannot take: say why
-                skipped.append(Skipped(cand, f"{type(e).__name__}: {e}"))
-                progress.update(task, description=f"[dim]{cand.label} on {cand.mesh}: skipped")
-                progress.stop_task(task)
-    elapsed = time.perf_counter() - started
-
-    out.print(
-        f"[bold]{args.model} {args.size}[/]: {fam.param_count(cfg):,} parameters, global batch "
-        f"{conf.batch} x {conf.seq} tokens, {conf.dtype}, {len(devices)} "
-        f"{devices[0].platform} devices ({devices[0].device_kind}); MFU against "
-        f"{peak.flops_per_s / 1e12:.3g} TFLOP/s ({peak.source}), useful matmul FLOPs/step "
-        f"{useful:.4g}"
-    )
-    if results:
-        out.print(comparison_table(results, unsplit, budget))
-    shaped = {c.strategy for c in todo if c.fallback}  # strategies offered several shapes
-    for s in skipped:
-        if s.candidate.strategy in shaped and s.candidate.strategy in placed:
-            continue  # a later shape of the same strategy ran
-        first = s.reason.splitlines()[0]
-        out.print(f"[yellow]skipped[/] {s.candidate.label} on {s.candidate.mesh}: {first}")
-    verdict = recommend(results, unsplit, memory_budget=budget, simulated=simulated)
-    out.print("[bold]Recommendation[/]")
-    for i, line in enumerate(verdict.lines):
-        out.print(("  -> " if i == 0 else "     ") + line)
-    out.print(f"measured {len(results)} candidates in {elapsed:.0f} s")
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    record = {
-        "model": {"family": args.model, "size": args.size, "parameters": fam.param_count(cfg)},
-        "config": dataclasses.asdict(conf),
-        "devices": {
-            "count": len(devices),
-            "platform": devices[0].platform,
-            "kind": devices[0].device_kind,
-        },
-        "peak": peak.to_dict(),
-        "useful_flops_per_step": useful,
-        "unsplit_state_bytes": unsplit,
-        "memory_budget": budget,
-        "results": [r.to_dict() for r in results],
-        "skipped": [
-            {"label": s.candidate.label, "mesh": s.candidate.mesh, "reason": s.reason}
-            for s in skipped
-        ],
-        "recommendation": verdict.to_dict(),
-        "elapsed_s": elapsed,
-    }
-    (args.out / "compare.json").write_text(json.dumps(record, indent=2))
-    from sharding.comparison import plot
-
-    plot(results, args.out / "compare.png", title=f"{args.model} {args.size}")
-    out.print(f"wrote {args.out / 'compare.json'} and {args.out / 'compare.png'}")
+    with _progress(out) as bars:
+        try:
+            result = compare(
+                models.get_family(args.model),
+                size=args.size,
+                batch=args.batch,
+                seq=args.seq,
+                dtype=args.dtype,
+                timed_steps=args.timed_steps,
+                warmup_steps=args.warmup_steps,
+                strategies=args.strategies,
+                mesh=args.mesh,
+                memory_budget=args.memory,
+                peak_tflops=args.peak_tflops,
+                on_progress=_Bars(bars),
+            )
+        except CompareError as e:  # show what was measured before the message
+            if getattr(e, "comparison", None) is not None:
+                bars.stop()
+                out.print(e.comparison.table())
+            raise
+    out.print(result.table())
+    json_path, png_path = result.save(args.out, overwrite=args.overwrite)
+    out.print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+class _Bars:
+    """`compare`'s on_progress as rich progress bars: one per task, dimmed when skipped."""
+
+    def __init__(self, progress) -> None:
+        self.progress, self.tasks = progress, {}
+
+    def __call__(self, task: str, done: int, total: int, note: str | None) -> None:
+        if task not in self.tasks:
+            self.tasks[task] = self.progress.add_task(task, total=total)
+        tid = self.tasks[task]
+        self.progress.update(tid, completed=done)
+        if note:
+            self.progress.update(tid, description=f"[dim]{task}: {note}")
+            self.progress.stop_task(tid)
 
 
 def _progress(out):

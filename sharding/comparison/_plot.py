@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sharding._mesh import mesh_text
 from sharding.comparison._measure import Result
 
 __all__ = ["plot"]
@@ -17,7 +18,7 @@ def plot(results: list[Result], path: Path, *, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.candidate.label}\n{_mesh(r)}" for r in results]
+    labels = [f"{r.candidate.label}\n{mesh_text(r.mesh_sizes)}" for r in results]
     panels = [
         ("step time (ms)", [r.step_time_s * 1e3 for r in results], "tab:blue"),
         ("memory / device (MiB): train state (dark) + rest of the step",
@@ -43,7 +44,3 @@ def plot(results: list[Result], path: Path, *, title: str = "") -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def _mesh(r: Result) -> str:
-    return ",".join(f"{a}={n}" for a, n in r.mesh_sizes.items() if n > 1) or "1 device"

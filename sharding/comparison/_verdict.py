@@ -10,22 +10,13 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
+from partition_rules.strategies import DESCRIPTIONS
+from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
+from sharding.comparison._errors import NoStrategyFitsError, NothingMeasuredError
 from sharding.comparison._measure import Result
 
-__all__ = ["SPLITS", "Recommendation", "comparison_table", "recommend"]
-
-# What each strategy splits across devices, and what it must therefore communicate.
-SPLITS: dict[str, tuple[str, str]] = {
-    "dp": ("batch", "gradients, once per step"),
-    "fsdp": ("batch + weights", "weights gathered per layer, gradients scattered"),
-    "tp": ("each layer's matrices", "activations, every layer"),
-    "dp_tp": ("batch; layer matrices", "activations per layer; gradients per step"),
-    "fsdp_tp": ("batch + weights; layer matrices", "weights per layer; activations per layer"),
-    "pp": ("depth (stages)", "activations at stage edges, per micro-batch"),
-    "pp_tp": ("depth; layer matrices", "stage-edge activations; per-layer activations"),
-    "pp_fsdp": ("depth; batch + weights", "stage-edge activations; weights per layer"),
-}
+__all__ = ["Recommendation", "comparison_table", "recommend"]
 
 _SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
           "all-to-all": "A2A", "collective-permute": "CP"}  # fmt: skip
@@ -50,8 +41,9 @@ def comparison_table(
         table.add_column(c, justify="left" if left else "right", no_wrap=not left)
     best = min(r.step_time_s for r in results)
     for r in results:
-        mesh = ",".join(f"{a}={n}" for a, n in r.mesh_sizes.items() if n > 1) or "1 device"
-        splits, _ = SPLITS[r.candidate.strategy]
+        mesh = mesh_text(r.mesh_sizes)
+        # What the strategy splits: the first clause of its description, in the guides' terms.
+        splits = DESCRIPTIONS.get(r.candidate.strategy, r.candidate.strategy).split(";")[0]
         peak = r.peak_bytes or 0
         row = [
             f"{r.candidate.label}\n[dim]{mesh}[/]",
@@ -83,6 +75,8 @@ def comparison_table(
 
 @dataclass
 class Recommendation:
+    """The layout chosen, and one sentence per figure that backs the choice."""
+
     best: Result
     lines: list[str]
 
@@ -97,11 +91,14 @@ def recommend(
 ) -> Recommendation:  # fmt: skip
     """Pick the fastest candidate that fits; explain the choice with the measured figures."""
     if not results:
-        raise ValueError("nothing was measured: every candidate was skipped (reasons above)")
+        raise NothingMeasuredError(
+            "nothing was measured: every layout was skipped (reasons above); try other "
+            "--strategies, --devices or --mesh"
+        )
     fits = [r for r in results if memory_budget is None or (r.peak_bytes or 0) <= memory_budget]
     if not fits:
         least = min(results, key=lambda r: r.peak_bytes or 0)
-        raise ValueError(
+        raise NoStrategyFitsError(
             f"no strategy fits {fmt_bytes(memory_budget)} per device; the least, "
             f"{least.candidate.label} on {least.candidate.mesh}, needs "
             f"{fmt_bytes(least.peak_bytes or 0)}: use more devices or a larger --memory"

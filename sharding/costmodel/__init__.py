@@ -1,37 +1,57 @@
 """Closed-form predictions of a training step, and the layout search behind `spmdkit plan`.
 
-`predict` gives one step's per-device collective bytes (by kind and mesh axes), memory and FLOPs
-for a language-model family on any mesh, without devices; `candidates` ranks every layout of N
-devices by an estimated step time on a `DeviceProfile`; `compile_candidate` checks one against an
-ahead-of-time compile. Every error is a `CostModelError`.
+`layouts` lists the ways to split a model over N devices (`Layout`: a strategy on a mesh, with a
+pipeline schedule), for `spmdkit compare` and `spmdkit plan` alike. `predict` gives one step's
+per-device collective bytes (by kind and mesh axes), memory and FLOPs for a language-model family
+on any mesh, without devices; `candidates` ranks every layout by an estimated step time on a
+`DeviceProfile` (each an `Estimate`); `compile_candidate` checks one against an ahead-of-time
+compile; `plan` does all of it for `spmdkit plan`. Every error is a `CostModelError`.
 """
 
-from sharding.costmodel._predict import CostModelError, Prediction, predict
+from sharding.costmodel._layouts import (
+    ORDER,
+    Layout,
+    UnknownStrategyError,
+    layouts,
+    meshes,
+    strategy_names,
+)
+from sharding.costmodel._plan import DEFAULT_SIZES, PlanError, PlanResult, plan
+from sharding.costmodel._predict import LM_FAMILIES, CostModelError, Prediction, predict
 from sharding.costmodel._search import (
     PROFILES,
-    Candidate,
     DeviceProfile,
+    Estimate,
     NoFittingStrategyError,
     NoValidLayoutError,
     candidates,
     comm_seconds,
     compile_candidate,
-    meshes,
 )
 from sharding.costmodel._traffic import Traffic
 
 __all__ = [
+    "DEFAULT_SIZES",
+    "LM_FAMILIES",
+    "ORDER",
     "PROFILES",
-    "Candidate",
     "CostModelError",
     "DeviceProfile",
+    "Estimate",
+    "Layout",
     "NoFittingStrategyError",
     "NoValidLayoutError",
+    "PlanError",
+    "PlanResult",
     "Prediction",
     "Traffic",
+    "UnknownStrategyError",
     "candidates",
     "comm_seconds",
     "compile_candidate",
+    "layouts",
     "meshes",
+    "plan",
     "predict",
+    "strategy_names",
 ]

@@ -29,7 +29,7 @@ from rich.text import Text
 from partition_rules import PIPELINE_STRATEGIES, preset
 from sharding._errors import SpmdkitError
 from sharding._init import abstract_params
-from sharding._mesh import MeshSpec
+from sharding._mesh import MeshSpec, mesh_text
 from sharding._resolve import place
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._traffic import Param, Traffic, classify, tied, traffic
@@ -137,7 +137,7 @@ class Prediction:
         return data
 
     def __rich__(self) -> Group:
-        mesh = ",".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "1 device"
+        mesh = mesh_text(self.mesh)
         pipe = ""
         if self.pipeline:
             pipe = f", {self.pipeline['name']} m={self.pipeline['microbatches']}"
@@ -371,7 +371,6 @@ def predict(
     sched = s.schedule
     flops, critical = _flops(s, rows)
     notes = ["1f1b: FLOPs count what runs (a compiled count charges every branch of a tick)"]
-    notes = notes if sched is not None and sched.name == "1f1b" else []
     return Prediction(
         family=family.NAME,
         size=getattr(cfg, "name", "?"),
@@ -394,8 +393,8 @@ def predict(
         matmul_flops=flops,
         critical_flops=critical,
         bubble_fraction=0.0 if sched is None else sched.bubble_fraction,
-        notes=notes,
+        notes=notes if sched is not None and sched.name == "1f1b" else [],
     )
 
 
-__all__ = ["CostModelError", "Prediction", "Setup", "Traffic", "predict", "setup"]
+__all__ = ["LM_FAMILIES", "CostModelError", "Prediction", "Setup", "Traffic", "predict", "setup"]

@@ -1,11 +1,11 @@
-"""Rank (strategy, mesh) layouts for a model on N devices from the cost model (`spmdkit plan`).
+"""Rank layouts for a model on N devices from the cost model: the search behind `spmdkit plan`.
 
-Every factorisation of the devices over stage, data, fsdp and tensor that a strategy uses and the
-preset's rules divide is predicted with `sharding.costmodel._predict.predict` (remat none and full, for
-pipelines gpipe and 1f1b), kept if its estimated memory per device fits, and ranked by an
+Every layout `layouts(..., search=True)` lists (each factorisation of the devices over stage,
+data, fsdp and tensor that a strategy uses; pipelines under gpipe and 1f1b) is predicted with
+`predict` under remat none and full, kept if the preset's rules divide it, and ranked by an
 estimated step time: matmul FLOPs at the device's peak plus each collective's ring traffic at
 the bandwidth of the links its group spans, with no overlap (a pessimistic bound). Nothing is
-compiled or allocated; `compile_candidate` checks a candidate with an ahead-of-time compile.
+compiled or allocated; `compile_candidate` checks an estimate with an ahead-of-time compile.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
 from sharding._mesh import AXES
 from sharding._resolve import RuleError
 from sharding._units import fmt_bytes
+from sharding.costmodel._layouts import Layout, layouts, strategy_names
 from sharding.costmodel._predict import CostModelError, Prediction, predict
 from sharding.pipeline import PipelineConfigError, ScheduleError
 
@@ -60,9 +60,10 @@ PROFILES: dict[str, DeviceProfile] = {
 
 
 @dataclass
-class Candidate:
-    """One ranked layout: its prediction and estimated step time split."""
+class Estimate:
+    """One layout ranked by the cost model: its prediction and estimated step time split."""
 
+    layout: Layout
     prediction: Prediction
     fits: bool
     compute_s: float
@@ -77,7 +78,7 @@ class Candidate:
 
     @property
     def mesh_text(self) -> str:
-        return ",".join(f"{a}={n}" for a, n in self.prediction.mesh.items() if n > 1) or "data=1"
+        return self.layout.mesh
 
     def to_dict(self) -> dict[str, Any]:
         p = self.prediction
@@ -121,33 +122,6 @@ def comm_seconds(pred: Prediction, profile: DeviceProfile) -> float:
     return total
 
 
-def meshes(devices: int) -> list[dict[str, int]]:
-    """Every (stage, data, fsdp, tensor) whose sizes multiply to ``devices``."""
-    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
-    out = []
-    for s in divisors:
-        for d in divisors:
-            for f in divisors:
-                if devices % (s * d * f) == 0:
-                    out.append({"stage": s, "data": d, "fsdp": f, "tensor": devices // (s * d * f)})
-    return out
-
-
-def _uses(strategy: str) -> tuple[set[str], set[str]]:
-    """(mesh axes the strategy may use, axes it needs > 1 to be itself).
-
-    The axes that split parameters must all be > 1 (fsdp with fsdp=1 is dp), and only those
-    and ``data`` may be: any other axis would only replicate.
-    """
-    splits = {
-        a
-        for name, v in STRATEGIES[strategy].items()
-        if name != "batch"
-        for a in ((v,) if isinstance(v, str) else (v or ()))
-    }
-    return splits | {"data"}, splits
-
-
 def candidates(
     family: Any,
     cfg: Any,
@@ -155,50 +129,45 @@ def candidates(
     batch: int,
     seq: int,
     *,
-    strategies: tuple[str, ...] | None = None,
+    strategies: str | tuple[str, ...] | None = None,
     dtype: str = "float32",
     optimizer: str = "adamw",
     memory_bytes: int,
     profile: DeviceProfile,
-) -> list[Candidate]:
+) -> list[Estimate]:
     """Every valid layout, fitting ones first by estimated step time, then by memory.
 
     Raises:
         NoValidLayoutError: nothing divides (names the strategies tried).
         NoFittingStrategyError: layouts exist but none fits; says the smallest memory needed.
+
+    Example:
+        >>> from models import llama
+        >>> ranked = candidates(llama, "7b", 8, 8, 1024, memory_bytes=80 * 10**9,
+        ...                     profile=PROFILES["h100-80gb"])  # doctest: +SKIP
+        >>> ranked[0].fits, ranked[0].layout.label  # doctest: +SKIP
+        (True, 'fsdp')
     """
     if isinstance(cfg, str):
         cfg = family.config(cfg)
-    names = tuple(strategies or STRATEGIES)
-    unknown = [s for s in names if s not in STRATEGIES]
-    if unknown:
-        raise CostModelError(f"unknown strategies {unknown}; strategies: {', '.join(STRATEGIES)}")
-    if "tp" in names and "dp_tp" in names:  # one axis map: tp with data > 1 is dp_tp
-        names = tuple(s for s in names if s != "dp_tp")
-    out: list[Candidate] = []
-    for strategy in names:
-        allowed, needs = _uses(strategy)
-        for sizes in meshes(devices):
-            if any(n > 1 for a, n in sizes.items() if a not in allowed):
+    todo = layouts(devices, cfg.n_layers, strategies=strategies, search=True, batch=batch)
+    out: list[Estimate] = []
+    for layout in todo:
+        pipe = None if layout.schedule is None else (layout.schedule, layout.microbatches,
+                                                     layout.repeats)  # fmt: skip
+        for remat in ("none", "full"):
+            try:
+                pred = predict(family, cfg, layout.strategy, layout.sizes, batch, seq,
+                               pipeline=pipe, dtype=dtype, optimizer=optimizer, remat=remat)  # fmt: skip
+            except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
                 continue
-            if any(sizes[a] == 1 for a in needs):
-                continue
-            name = strategy
-            if strategy in ("tp", "dp_tp"):
-                name = "dp_tp" if sizes["data"] > 1 else "tp"
-            for pipe in _pipelines(name, sizes, batch):
-                for remat in ("none", "full"):
-                    try:
-                        pred = predict(family, cfg, name, sizes, batch, seq, pipeline=pipe,
-                                       dtype=dtype, optimizer=optimizer, remat=remat)  # fmt: skip
-                    except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
-                        continue
-                    compute = pred.critical_flops / profile.peak_flops[dtype]
-                    fits = pred.memory_bytes <= memory_bytes
-                    out.append(Candidate(pred, fits, compute, comm_seconds(pred, profile)))
+            compute = pred.critical_flops / profile.peak_flops[dtype]
+            fits = pred.memory_bytes <= memory_bytes
+            out.append(Estimate(layout, pred, fits, compute, comm_seconds(pred, profile)))
     if not out:
+        names = ", ".join(strategy_names(strategies))
         raise NoValidLayoutError(
-            f"{family.NAME} {cfg.name}: no strategy of {', '.join(names)} places the model on any "
+            f"{family.NAME} {cfg.name}: no strategy of {names} places the model on any "
             f"factorisation of {devices} devices with batch {batch} (the rules must divide every "
             f"split dimension and data x fsdp must divide the batch); try another --devices or "
             f"--batch"
@@ -218,46 +187,19 @@ def candidates(
     return fitting + rest
 
 
-def _pipelines(strategy: str, sizes: dict[str, int], batch: int) -> list[Any]:
-    if strategy not in PIPELINE_STRATEGIES:
-        return [None]
-    p, split = sizes["stage"], sizes["data"] * sizes["fsdp"]
-    # The most micro-batches of 4p, 2p, p that the batch splits into (a smaller bubble).
-    m = next((m for m in (4 * p, 2 * p, p) if batch % m == 0 and (batch // m) % split == 0), None)
-    return [] if m is None else [(schedule, m, 1) for schedule in ("gpipe", "1f1b")]
-
-
-def compile_candidate(candidate: Candidate, family: Any, cfg: Any) -> Candidate:
-    """AOT-compile a candidate on this host's devices from abstract shapes; fill its figures.
+def compile_candidate(candidate: Estimate, family: Any, cfg: Any) -> Estimate:
+    """AOT-compile an estimate's layout on this host's devices from abstract shapes; fill its
+    compiled memory and compile time.
 
     Needs ``jax.device_count()`` equal to the mesh size (simulate CPU devices first). Nothing is
     materialised: the step is lowered from `ShapeDtypeStruct`s and compiled.
     """
     import optax
 
-    from partition_rules import preset
-    from sharding._mesh import make_mesh
-    from sharding._step import compile_train_step
-    from sharding.pipeline import PipelineSpec
-
     p = candidate.prediction
-    fam = family
-    spec = None
-    if p.pipeline:
-        spec = PipelineSpec(p.pipeline["name"], p.pipeline["microbatches"],
-                            p.pipeline["repeats"], fam.INPUT, fam.loss_from_logits)  # fmt: skip
     tx = optax.adamw(1e-4) if p.optimizer in ("adamw", "adam") else optax.sgd(1e-3)
-    program = compile_train_step(
-        lambda rngs: fam.Model(cfg, rngs=rngs),
-        fam.loss,
-        tx,
-        *preset(p.family, p.strategy),
-        make_mesh(p.mesh),
-        fam.batch_shapes(cfg, p.batch, p.seq),
-        compute_dtype=p.dtype,
-        remat=p.remat,
-        pipeline=spec,
-    )
+    program = candidate.layout.program(family, cfg, batch=p.batch, seq=p.seq, optimizer=tx,
+                                       dtype=p.dtype, remat=p.remat)  # fmt: skip
     report = program.report()
     if report.memory is not None:
         candidate.compiled_memory = report.memory.allocated
@@ -267,12 +209,11 @@ def compile_candidate(candidate: Candidate, family: Any, cfg: Any) -> Candidate:
 
 __all__ = [
     "PROFILES",
-    "Candidate",
     "DeviceProfile",
+    "Estimate",
     "NoFittingStrategyError",
     "NoValidLayoutError",
     "candidates",
     "comm_seconds",
     "compile_candidate",
-    "meshes",
 ]

@@ -1,0 +1,268 @@
+"""Layouts: which strategy on which mesh (and pipeline schedule), enumerated once for every use.
+
+A `Layout` is one way to split a model over devices. `layouts` lists them: for `spmdkit compare`
+each strategy on the one mesh shape that suits it (later shapes as fallbacks), for `spmdkit plan`
+(``search=True``) every factorisation of the devices the strategy's rules can use. Both measure
+or predict the same `Layout` objects, and `Layout.program` builds the training step of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
+from sharding._mesh import MeshSpec, mesh_text
+from sharding._recipe import build_program, pipeline_for
+from sharding.costmodel._predict import CostModelError
+from sharding.pipeline import PipelineSpec
+
+# The order layouts are listed in: the guides' three families, then their hybrids.
+ORDER = ("dp", "fsdp", "tp", "dp_tp", "fsdp_tp", "pp", "pp_tp", "pp_fsdp")
+# The schedules `spmdkit compare` runs each pipeline strategy under (plan: gpipe and 1f1b).
+COMPARE_SCHEDULES = {"pp": ("gpipe", "1f1b", "circular")}
+SEARCH_SCHEDULES = ("gpipe", "1f1b")
+
+
+class UnknownStrategyError(CostModelError):
+    """A strategy name that is not a preset of `partition_rules.STRATEGIES`."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One strategy on one mesh and, for pipeline strategies, one schedule.
+
+    Example:
+        >>> Layout("pp", "stage=4,data=2", "gpipe", 8).label
+        'pp gpipe m=8'
+        >>> Layout("fsdp_tp", "fsdp=4,tensor=2").sizes
+        {'stage': 1, 'data': 1, 'fsdp': 4, 'tensor': 2}
+    """
+
+    strategy: str
+    mesh: str  # the mesh's text, e.g. "data=4,tensor=2" (`sharding.mesh_text`)
+    schedule: str | None = None
+    microbatches: int | None = None
+    repeats: int = 1
+    fallback: bool = False  # another shape, tried only if the ones before it failed
+
+    @property
+    def label(self) -> str:
+        if self.schedule is None:
+            return self.strategy
+        r = f" r={self.repeats}" if self.repeats > 1 else ""
+        return f"{self.strategy} {self.schedule} m={self.microbatches}{r}"
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Every mesh axis' size, in canonical order (stage, data, fsdp, tensor)."""
+        return MeshSpec.of(self.mesh).sizes
+
+    def pipeline(self, family: Any) -> PipelineSpec | None:
+        """The `PipelineSpec` of a pipeline layout for ``family``, or None."""
+        if self.schedule is None:
+            return None
+        return pipeline_for(family, self.strategy, self.sizes["stage"], schedule=self.schedule,
+                            microbatches=self.microbatches, repeats=self.repeats)  # fmt: skip
+
+    def program(
+        self,
+        family: Any,
+        cfg: Any,
+        *,
+        batch: int,
+        seq: int,
+        optimizer: Any,
+        dtype: str = "float32",
+        remat: str = "none",
+        devices: list | None = None,
+    ) -> Any:
+        """The `TrainProgram` of this layout on ``devices`` (default: all), by the one recipe
+        `sharding.build_program` (the family's preset rules under this strategy).
+
+        Nothing compiles until ``program.compiled`` (or ``report()``, ``step``) is first used,
+        so ``program.abstract_state`` can be sized for any model first.
+
+        Example:
+            >>> import optax
+            >>> from models import llama
+            >>> program = Layout("fsdp", "fsdp=8").program(  # doctest: +SKIP
+            ...     llama, llama.config("tiny"), batch=16, seq=32, optimizer=optax.adamw(1e-3))
+        """
+        piped = self.schedule is not None
+        return build_program(
+            family, cfg, self.strategy, self.mesh, batch=batch, seq=seq, optimizer=optimizer,
+            compute_dtype=dtype, remat=remat, schedule=self.schedule,
+            microbatches=self.microbatches, repeats=self.repeats if piped else None,
+            devices=devices,
+        )  # fmt: skip
+
+
+def strategy_names(strategies: str | Sequence[str] | None) -> list[str]:
+    """The strategies asked for (a comma list or a sequence; None: all), in `ORDER`, once each.
+
+    Example:
+        >>> strategy_names("pp,dp,dp")
+        ['dp', 'pp']
+    """
+    if strategies is None:
+        wanted = list(STRATEGIES)
+    elif isinstance(strategies, str):
+        wanted = [s.strip() for s in strategies.split(",")]
+    else:
+        wanted = list(strategies)
+    unknown = [s for s in wanted if s not in STRATEGIES]
+    if unknown or not wanted:
+        raise UnknownStrategyError(
+            f"--strategies {','.join(map(str, wanted))!r}: unknown strategies {unknown}; known: "
+            f"{', '.join(STRATEGIES)} (a comma list, e.g. --strategies dp,fsdp)"
+        )
+    return [s for s in dict.fromkeys((*ORDER, *STRATEGIES)) if s in wanted]
+
+
+def meshes(devices: int) -> list[dict[str, int]]:
+    """Every (stage, data, fsdp, tensor) whose sizes multiply to ``devices``.
+
+    Example:
+        >>> len(meshes(8))  # 3 factors of 2 over 4 axes
+        20
+    """
+    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
+    out = []
+    for s in divisors:
+        for d in divisors:
+            for f in divisors:
+                if devices % (s * d * f) == 0:
+                    out.append({"stage": s, "data": d, "fsdp": f, "tensor": devices // (s * d * f)})
+    return out
+
+
+def splits(strategy: str) -> tuple[set[str], set[str]]:
+    """(mesh axes the strategy may use, axes it needs > 1 to be itself).
+
+    The axes that split parameters must all be > 1 (fsdp with fsdp=1 is dp), and only those
+    and ``data`` may be: any other axis would only replicate.
+    """
+    axes = {
+        a
+        for name, v in STRATEGIES[strategy].items()
+        if name != "batch"
+        for a in ((v,) if isinstance(v, str) else (v or ()))
+    }
+    return axes | {"data"}, axes
+
+
+def layouts(
+    devices: int,
+    n_layers: int,
+    *,
+    strategies: str | Sequence[str] | None = None,
+    mesh: str | dict | None = None,
+    search: bool = False,
+    batch: int | None = None,
+) -> list[Layout]:
+    """The layouts to try on ``devices`` devices for a model of ``n_layers`` layers.
+
+    Without ``search`` (`spmdkit compare`), each strategy on the shape that suits it (later
+    shapes of the same strategy marked ``fallback``), pipelines with 2 x stages micro-batches,
+    ``pp`` under gpipe, 1f1b and circular (2 repeats, as many stages as the layers allow). With
+    ``search`` (`spmdkit plan`), every factorisation of the devices the strategy's rules can use
+    (``tp`` and ``dp_tp`` one map, named by the data axis), pipelines under gpipe and 1f1b with
+    the most micro-batches of 4p, 2p, p that ``batch`` splits into. With ``mesh`` every strategy
+    runs on that one mesh. A pipeline needs its stages (times repeats) to divide ``n_layers``.
+
+    Example:
+        >>> [x.label for x in layouts(8, 4, strategies="dp,pp")]
+        ['dp', 'pp gpipe m=8', 'pp 1f1b m=8', 'pp circular m=4 r=2']
+        >>> len(layouts(8, 4, strategies="fsdp", search=True, batch=8))
+        3
+    """
+    names = strategy_names(strategies)
+    if search and "tp" in names and "dp_tp" in names:  # one axis map: tp with data > 1 is dp_tp
+        names.remove("dp_tp")
+    given = None if mesh is None else MeshSpec.of(mesh).resolve(devices).sizes
+    out: list[Layout] = []
+    for name in names:
+        if given is not None:
+            shapes = [given]
+        elif search:
+            allowed, needs = splits(name)
+            shapes = [s for s in meshes(devices) if all(n == 1 for a, n in s.items()
+                      if a not in allowed) and all(s[a] > 1 for a in needs)]  # fmt: skip
+        else:
+            shapes = [MeshSpec.of(t).resolve(devices).sizes for t in _suggested(name, devices)]
+        for alt, sizes in enumerate(shapes):
+            strategy = name
+            if search and name in ("tp", "dp_tp"):
+                strategy = "dp_tp" if sizes["data"] > 1 else "tp"
+            if strategy not in PIPELINE_STRATEGIES:
+                out.append(Layout(strategy, mesh_text(sizes), fallback=alt > 0 and not search))
+                continue
+            if search:
+                pipes = _searched_pipelines(sizes, n_layers, batch)
+            else:
+                pipes = _compare_pipelines(name, sizes, n_layers, devices, fixed=given is not None)
+            out += [Layout(strategy, mesh_text(at), s, m, r) for s, m, r, at in pipes]
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _suggested(name: str, n: int) -> list[str]:
+    """Mesh shapes to offer ``name`` on ``n`` devices, best first (first that resolves wins)."""
+    half = max(n // 2, 1)
+    stage = next((s for s in (4, 2) if n % s == 0 and n > s), None)
+    table = {
+        "dp": [f"data={n}"],
+        "fsdp": [f"fsdp={n}"],
+        "tp": [f"tensor={t},data={n // t}" for t in _divisors(n) if t > 1],
+        "dp_tp": [f"data={half},tensor=2"] if n >= 4 and n % 2 == 0 else [],
+        "fsdp_tp": [f"fsdp={half},tensor=2"] if n >= 4 and n % 2 == 0 else [],
+        "pp": [f"stage={stage},data={n // stage}"] if stage else [],
+        "pp_tp": [f"stage=2,tensor=2,data={n // 4}"] if n >= 4 and n % 4 == 0 else [],
+        "pp_fsdp": [f"stage=2,fsdp={half}"] if n >= 4 and n % 2 == 0 else [],
+    }
+    return table.get(name, [])
+
+
+def _compare_pipelines(
+    name: str, sizes: dict[str, int], n_layers: int, devices: int, *, fixed: bool
+) -> list[tuple[str, int, int, dict[str, int]]]:
+    out = []
+    for schedule in COMPARE_SCHEDULES.get(name, ("gpipe",)):
+        repeats = 2 if schedule == "circular" else 1
+        at = sizes
+        if not fixed and schedule == "circular":  # as many stages as the layers allow
+            stages = next((s for s in _divisors(devices) if 1 < s <= n_layers // 2
+                           and n_layers % (2 * s) == 0), 0)  # fmt: skip
+            at = {"stage": stages, "data": devices // max(stages, 1), "fsdp": 1, "tensor": 1}
+        stages = at["stage"]
+        if stages < 2 or n_layers % (stages * repeats):
+            continue
+        out.append((schedule, 2 * stages, repeats, at))
+    return out
+
+
+def _searched_pipelines(
+    sizes: dict[str, int], n_layers: int, batch: int | None
+) -> list[tuple[str, int, int, dict[str, int]]]:
+    p, split = sizes["stage"], sizes["data"] * sizes["fsdp"]
+    if batch is None or p < 2 or n_layers % p:
+        return []
+    # The most micro-batches of 4p, 2p, p that the batch splits into (a smaller bubble).
+    m = next((m for m in (4 * p, 2 * p, p) if batch % m == 0 and (batch // m) % split == 0), None)
+    return [] if m is None else [(schedule, m, 1, sizes) for schedule in SEARCH_SCHEDULES]
+
+
+__all__ = [
+    "ORDER",
+    "Layout",
+    "UnknownStrategyError",
+    "layouts",
+    "meshes",
+    "splits",
+    "strategy_names",
+]

@@ -1,0 +1,67 @@
+"""Bad input to `spmdkit compare` and `spmdkit plan`: refused up front, exit 2, no traceback, the
+value and a flag that exists named, and nothing created or changed (compare's --out included).
+
+Every row runs in a folder holding a file ``taken`` and a finished comparison ``done/``; rows
+with another device count than this process's 8 run in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ROWS = [
+    # compare: step counts, sizes and numbers out of range
+    ("compare --timed-steps 0", r"--timed-steps: 0 must be >= 1"),
+    ("compare --timed-steps -3", r"--timed-steps: -3 must be >= 1"),
+    ("compare --warmup-steps -1", r"--warmup-steps: -1 must be >= 0"),
+    ("compare --steps 8", r"--steps: renamed: use --timed-steps 8"),
+    ("compare --warmup 2", r"--warmup: renamed: use --warmup-steps 2"),
+    ("compare --batch 0", r"--batch: 0 must be >= 1"),
+    ("compare --seq 0", r"--seq: 0 must be >= 1"),
+    ("compare --seq 4096", r"--seq 4096: llama tiny holds at most 128 positions; use --seq 128"),
+    ("compare --memory 80i", r"--memory '80i': cannot read '80i' as a size.*'80GB'"),
+    ("compare --memory 0", r"--memory '0': give the memory per device.*--memory 80GB"),
+    ("compare --peak-tflops 0", r"--peak-tflops 0\.0: give the peak TFLOP/s of one device"),
+    ("compare --peak-tflops nan", r"--peak-tflops nan: give the peak TFLOP/s of one device"),
+    ("compare --devices 0", r"--devices: 0 must be >= 1"),
+    # compare: what to measure, and where the results go
+    ("compare --strategies dp,zero3", r"--strategies 'dp,zero3': unknown strategies \['zero3'\]"),
+    ("compare --model cnn", r"--model: invalid choice: 'cnn' \(choose from 'llama', 'gpt2'\)"),
+    ("compare --size 7x", r"--size '7x': unknown llama size; sizes: tiny, maxtext-tiny, 1b"),
+    ("compare --out taken", r"--out 'taken' is a file; .* give a folder path, e.g. --out"),
+    ("compare --out taken/sub", r"--out 'taken/sub': 'taken' is a file, not a folder"),
+    (
+        "compare --out done",
+        r"--out 'done' already holds compare\.json and compare\.png; pass --overwrite",
+    ),
+    ("compare --strategies pp_tp --devices 2", r"--strategies pp_tp: none of them has a layout"),
+    # plan
+    ("plan --layers 0", r"--layers: 0 must be >= 1"),
+    ("plan --top 0", r"--top: 0 must be >= 1"),
+    ("plan --devices 0", r"--devices: 0 must be >= 1"),
+    ("plan --batch 0", r"--batch: 0 must be >= 1"),
+    ("plan --seq 0", r"--seq: 0 must be >= 1"),
+    ("plan --seq 99999", r"--seq 99999: llama 7b holds at most 4096 positions; use --seq 4096"),
+    ("plan --aot -1", r"--aot: -1 must be >= 0"),
+    ("plan --size 13b", r"--size '13b': unknown llama size; sizes: tiny, maxtext-tiny, 1b, 7b"),
+    ("plan --model gpt2 --size 7b", r"--size '7b': unknown gpt2 size; sizes: tiny, 124m"),
+    ("plan --model cnn", r"--model: invalid choice: 'cnn'"),
+    ("plan --memory 80i", r"--memory '80i': cannot read '80i' as a size"),
+    ("plan --memory 0", r"--memory '0': give the memory per device > 0, e.g. --memory 80GB"),
+    (
+        "plan --strategies dp,zero3",
+        r"--strategies 'dp,zero3': unknown strategies \['zero3'\]; "
+        r"known: dp, fsdp",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"), ROWS, ids=[a.replace(" --", "-").replace(" ", "=") for a, _ in ROWS]
+)
+def test_refused(refused, tmp_path, args, match):
+    (tmp_path / "taken").write_text("not a folder")
+    (tmp_path / "done").mkdir()
+    for name in ("compare.json", "compare.png"):
+        (tmp_path / "done" / name).write_text("an earlier comparison")
+    refused(args.split(), match, subprocess_="--devices 2" in args)
