@@ -29,8 +29,7 @@ def _split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
 def abstract_params(make_model: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, parameter State of `jax.ShapeDtypeStruct`s) without allocating anything.
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> _, params = abstract_params(lambda: llama.Model(llama.config("70b"), rngs=nnx.Rngs(0)))
         >>> params["lm_head"]["kernel"].shape
         (8192, 32000)

@@ -34,8 +34,7 @@ def pipeline_for(
     micro-batches or repeats under a strategy that does not pipeline is an error, and so is a
     pipeline strategy on a mesh without stages: neither is silently ignored.
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> pipeline_for(llama, "pp", 4, schedule="1f1b").microbatches
         8
     """
@@ -95,8 +94,7 @@ def build_program(
         accum_steps, compute_dtype, remat, clip_norm: as in `compile_train_step`.
         schedule, microbatches, repeats: the pipeline (see `pipeline_for`).
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> program = build_program(llama, llama.config("tiny"), "fsdp", "fsdp=8",
         ...                         batch=16, seq=32)  # doctest: +SKIP
     """

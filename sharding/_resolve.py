@@ -66,8 +66,9 @@ _FIXES: dict[type[RuleError], str] = {
     "mesh",
     DuplicateMeshAxisError: "a mesh axis can split only one dimension of a parameter: map one of "
     "the logical axes elsewhere or to None",
-    IndivisibleDimensionError: "pick mesh sizes that divide the dimension (sizes that would are "
-    "listed), a strategy that leaves it unsplit, or map its logical axis to None",
+    IndivisibleDimensionError: "pick mesh sizes that divide the dimension (the sizes that would are "
+    "listed; --mesh in the commands), a strategy that leaves it unsplit (--strategy), or map its "
+    "logical axis to None in the AxisMap",
 }
 
 

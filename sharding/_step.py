@@ -180,8 +180,7 @@ def compile_train_step(
         check_batch: ``batch -> None``, raising for a host batch the model cannot take (token
             ids outside the vocabulary); `TrainProgram.shard_batch` calls it.
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> from partition_rules import preset
         >>> cfg = llama.config("tiny")
         >>> program = compile_train_step(  # doctest: +SKIP

@@ -104,13 +104,16 @@ def doctests():
     import doctest
     import inspect
 
+    import models
+
     def run(package) -> int:
         finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(verbose=False)
         ran, seen = 0, set()
         for name in package.__all__:
             obj = getattr(package, name)
-            module = inspect.getmodule(obj)  # the examples see their own module's names
-            for test in finder.find(obj, name, globs=dict(vars(module)) if module else {}):
+            module = inspect.getmodule(obj)  # the examples see their own module's names,
+            globs = {**(vars(module) if module else {}), "models": models, "llama": models.llama}
+            for test in finder.find(obj, name, globs=globs):  # and the shipped families
                 if test.examples and id(test) not in seen and test.name not in seen:
                     seen.add(test.name)
                     runner.run(test)

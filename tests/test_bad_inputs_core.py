@@ -228,7 +228,7 @@ CLI = [
     (
         "explain-indivisible",
         ["explain", "--mesh", "tensor=8", "--strategy", "tp"],
-        r"IndivisibleDimensionError.*kv_heads",
+        r"(?s)IndivisibleDimensionError.*kv_heads.*--mesh.*--strategy",
     ),
     ("explain-unknown-axis", ["explain", "--mesh", "gpu=8"], r"unknown axis 'gpu'"),
     ("explain-devices-zero", ["explain", "--devices", "0"], r"--devices: 0 must be >= 1"),

@@ -122,3 +122,7 @@ def test_every_command_is_one_documented_library_call(name, capsys):
     help(entry)
     shown = capsys.readouterr().out
     assert f"{name}(" in shown and ("Example" in shown or "Args" in shown)
+
+
+def test_the_core_docstring_examples_run(doctests):
+    assert doctests(sharding) > 0

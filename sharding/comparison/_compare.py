@@ -198,8 +198,7 @@ def compare(
             `NothingMeasuredError` / `NoStrategyFitsError` after measuring (the error's
             ``comparison`` holds what was measured).
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> result = compare(llama, batch=16, seq=32, strategies="dp,fsdp",
         ...                  timed_steps=2)  # doctest: +SKIP
         >>> result.recommendation.best.candidate.label  # doctest: +SKIP

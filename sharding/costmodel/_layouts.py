@@ -84,9 +84,8 @@ class Layout:
         Nothing compiles until ``program.compiled`` (or ``report()``, ``step``) is first used,
         so ``program.abstract_state`` can be sized for any model first.
 
-        Example:
+        Example (with ``llama`` the model family module ``models.llama``):
             >>> import optax
-            >>> from models import llama
             >>> program = Layout("fsdp", "fsdp=8").program(  # doctest: +SKIP
             ...     llama, llama.config("tiny"), batch=16, seq=32, optimizer=optax.adamw(1e-3))
         """

@@ -160,8 +160,7 @@ def plan(
         PlanError: an argument out of range; `NoFittingStrategyError`, `NoValidLayoutError` from
             the search.
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> result = plan(llama, size="70b", devices=512, memory="80GB", top=3)  # doctest: +SKIP
         >>> result.shown[0].fits  # doctest: +SKIP
         True

@@ -141,8 +141,7 @@ def candidates(
         NoValidLayoutError: nothing divides (names the strategies tried).
         NoFittingStrategyError: layouts exist but none fits; says the smallest memory needed.
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> ranked = candidates(llama, "7b", 8, 8, 1024, memory_bytes=80 * 10**9,
         ...                     profile=PROFILES["h100-80gb"])  # doctest: +SKIP
         >>> ranked[0].fits, ranked[0].layout.label  # doctest: +SKIP

@@ -99,8 +99,7 @@ def stage_report(
     ``model`` may be abstract (`nnx.eval_shape`); FLOPs come from compiling one layer and the
     head for one micro-batch on one device, so it works for sizes that do not fit here.
 
-    Example:
-        >>> from models import llama
+    Example (with ``llama`` the model family module ``models.llama``):
         >>> model = nnx.eval_shape(lambda: llama.Model(llama.config("tiny"), rngs=nnx.Rngs(0)))
         >>> stage_report(model, PipelineSpec("1f1b", 8), 2, 4, 128).imbalance  # doctest: +SKIP
         1.06

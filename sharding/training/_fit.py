@@ -142,8 +142,7 @@ def fit(
     written for settings it cannot take, and `NonFiniteLossError` at the first NaN or infinite
     loss or gradient norm: that step is neither saved nor written to ``metrics``.
 
-    Example:
-        >>> import models
+    Example (with ``models`` the package of shipped model families):
         >>> from sharding.training import TrainConfig, fit
         >>> result = fit(models.llama, TrainConfig(steps=3, mesh="data=8", batch=8, seq=16))  # doctest: +SKIP
         >>> [r["step"] for r in result.history]  # doctest: +SKIP

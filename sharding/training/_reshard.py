@@ -133,8 +133,7 @@ def reshard(
             checkpoint names is built from it, abstractly, to place the arrays.
         step: the step to rewrite; None for the latest.
 
-    Example:
-        >>> import models
+    Example (with ``models`` the package of shipped model families):
         >>> r = reshard("ck", "ck_tp", mesh="fsdp=2,tensor=4", strategy="fsdp_tp",
         ...             families=models.FAMILIES)  # doctest: +SKIP
         >>> print(r)  # doctest: +SKIP
