@@ -99,26 +99,22 @@ def pipeline_spec(args: argparse.Namespace, family, stages: int):
     )
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the flag and exits 2 otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+def _whole_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+# argparse types: a whole number >= 1 / >= 0 (argparse names the flag and exits 2 otherwise).
+positive_int = _whole_at_least(1)
+non_negative_int = _whole_at_least(0)
 
 
 def add_devices_arg(
