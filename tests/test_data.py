@@ -160,7 +160,7 @@ def test_token_file_size_not_a_multiple_of_the_dtype(tmp_path):
 
 def test_token_file_dtype_errors(tmp_path):
     path = token_file(tmp_path, [1, 2, 3], "tokens.txt")
-    with pytest.raises(TokenFileFormatError, match=r"suffix '\.txt'.*dtype=np\.uint16"):
+    with pytest.raises(TokenFileFormatError, match=r"suffix '\.txt'.*--data-dtype uint16"):
         TokenFile(path)
     with pytest.raises(TokenFileFormatError, match=r"dtype=float32 is not a token dtype"):
         TokenFile(path, dtype=np.float32)

@@ -8,12 +8,11 @@ fix and never a traceback.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from importlib import metadata
 
 from sharding.cli import compare, explain, launch, plan, reshard, train
-from sharding.cli._common import HelpFormatter
+from sharding.cli._common import HelpFormatter, Parser
 
 COMMANDS = {
     "compare": compare,
@@ -33,7 +32,7 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="spmdkit",
         description="Data, FSDP, tensor and pipeline parallelism for JAX: declare a mesh, "
         "partition rules and a schedule; measure and compare.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -12,6 +13,16 @@ import models
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
 from sharding import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
 from sharding.pipeline import SCHEDULES
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is two lines, the error and where the help is, not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            2,
+            f"{self.prog}: error: {message}\n(flags, defaults and examples: {self.prog} --help)\n",
+        )
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -27,7 +27,7 @@ from sharding.training._errors import TrainingError
 BYTE_VOCAB = 256
 # Only suffixes that say the dtype; a ".bin" file (nanoGPT writes uint16, others uint32) must say.
 _SUFFIX_DTYPES = {".u16": np.dtype("<u2"), ".u32": np.dtype("<u4")}
-_CHOOSE = "pass --data-dtype uint16 or --data-dtype uint32 (dtype=np.uint16 or dtype=np.uint32)"
+_CHOOSE = "pass --data-dtype uint16 or --data-dtype uint32"
 _OPS = np.array(["+", "-", "*"])
 
 
