@@ -7,6 +7,7 @@ argument, what was given and how to build the right thing.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -119,3 +120,12 @@ def check_batch_shapes(fn: str, batch_shapes: Any) -> None:
             f"jax.ShapeDtypeStruct with the batch as dimension 0, got {_given(batch_shapes)}; "
             f"e.g. models.llama.batch_shapes(cfg, 16, 64)"
         )
+
+
+def takes_remat(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` accepts the ``remat=`` keyword (a named parameter or ``**kwargs``)."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: assume it follows the contract
+        return True
+    return any(p.name == "remat" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

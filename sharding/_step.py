@@ -29,10 +29,11 @@ from sharding._checks import (
     check_optimizer,
     check_positive_int,
     check_rules,
+    takes_remat,
 )
 from sharding._init import abstract_params
 from sharding._mesh import BATCH_AXES
-from sharding._resolve import resolve, shard_abstract
+from sharding._resolve import path_str, resolve, shard_abstract
 from sharding._shardings import (  # noqa: F401  (re-exported: the errors are the step's)
     AccumulationError,
     BatchShardingError,
@@ -144,6 +145,28 @@ def _placed(x: Any, sharding: jshard.NamedSharding) -> bool:
     return isinstance(x, jax.Array) and x.sharding == sharding
 
 
+def _check_no_stage_split(param_shardings: Any, mesh: jshard.Mesh) -> None:
+    """Without a pipeline, no parameter may be split over a ``stage`` axis larger than 1.
+
+    XLA would compile it as an ordinary step with those weights split over the stage devices:
+    every device runs every layer, gathering weights it does not hold. That is neither pipeline
+    parallelism nor what a pp preset asks for.
+    """
+    stages = dict(mesh.shape).get("stage", 1)
+    if stages == 1:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
+    staged = [path_str(k) for k, s in leaves
+              if any("stage" in ((e,) if isinstance(e, str) else (e or ())) for e in s.spec)]  # fmt: skip
+    if staged:
+        raise StepConfigError(
+            f"compile_train_step: {len(staged)} parameters are split over the 'stage' mesh axis "
+            f"(stage={stages}; e.g. {staged[0]}) but no pipeline was given; pass "
+            f"pipeline=PipelineSpec(...) (spmdkit train: a pp strategy takes --schedule and "
+            f"--microbatches), or use a strategy that does not split over 'stage'"
+        )
+
+
 def compile_train_step(
     make_model: Callable[[nnx.Rngs], nnx.Module],
     loss_fn: Callable[..., jax.Array],
@@ -212,6 +235,7 @@ def compile_train_step(
         )
     dtype = COMPUTE_DTYPES[compute_dtype]
     wrap = layer_wrapper(remat, mesh)
+    remat_kw = takes_remat(loss_fn)  # a plain loss(model, batch) runs without the layer wrapper
     check_batch_split(batch_shapes, dict(mesh.shape), accum_steps)
     if clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
@@ -223,6 +247,15 @@ def compile_train_step(
         batch = next(iter(batch_shapes.values())).shape[0]
         schedule = check_pipeline(pipeline, mesh, axis_map, n_layers, batch // accum_steps)
     param_shardings = resolve(rules, axis_map, params, mesh)
+    if pipeline is None:
+        _check_no_stage_split(param_shardings, mesh)
+    if remat != "none" and not takes_remat(loss_fn):
+        raise StepConfigError(
+            f"{fn}(remat={remat!r}): loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes no "
+            f"remat= keyword, so the policy could not reach its layers and would silently do "
+            f"nothing; give the loss a remat=None parameter and apply it to the layer stack (see "
+            f"models.layers.scan_layers), or use remat='none'"
+        )
     opt_state = jax.eval_shape(optimizer.init, params)
     abstract_state = {
         "params": params,
@@ -250,7 +283,7 @@ def compile_train_step(
         )
         model = nnx.merge(graphdef, cast)
         if schedule is None:
-            return loss_fn(model, micro, remat=wrap)
+            return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)
         return pipelined_loss(model, micro, pipeline, schedule, mesh, remat_wrapper(remat))
 
     grad_fn = jax.value_and_grad(micro_loss)

@@ -190,6 +190,22 @@ API = [
         r"global batch 6 is not divisible by data=2xfsdp=2 = 4",
     ),
     (
+        "step-pp-preset-without-pipeline",
+        lambda: step(
+            rules=preset("llama", "pp")[0],
+            axis_map=preset("llama", "pp")[1],
+            mesh=make_mesh("stage=2,data=4"),
+        ),
+        sharding.StepConfigError,
+        r"split over the 'stage' mesh axis \(stage=2; e\.g\. layers/.*no pipeline was given",
+    ),
+    (
+        "step-remat-with-a-plain-loss",
+        lambda: step(loss_fn=lambda model, batch: llama.loss(model, batch), remat="full"),
+        sharding.StepConfigError,
+        r"remat='full'\): loss_fn '<lambda>' takes no remat= keyword.*silently do nothing",
+    ),
+    (
         "bytes-unit",
         lambda: parse_bytes("80i"),
         sharding.SizeFormatError,
@@ -271,3 +287,15 @@ def test_train_on_more_devices_than_given_is_refused_before_jax_starts(refused):
 
 def test_jax_sees_eight_devices_here():
     assert jax.device_count() == 8
+
+
+def test_a_plain_loss_without_remat_trains_like_the_contract_loss():
+    """loss(model, batch) with no remat keyword works when no remat policy is asked for."""
+    batch = llama.make_batch(CFG, 8, 32)
+    losses = []
+    for loss_fn in (llama.loss, lambda model, batch: llama.loss(model, batch)):
+        program = step(loss_fn=loss_fn)
+        state = program.init(0)
+        _, metrics = program.step(state, program.shard_batch(batch))
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)

@@ -18,6 +18,7 @@ from sharding import (
     StepConfigError,
     compile_train_step,
     make_mesh,
+    pipeline_for,
 )
 
 SEQ = 32
@@ -33,14 +34,19 @@ def program(family: str, strategy: str, mesh_spec: str, *, batch=BATCH, accum=1,
     fam = models.get_family(family)
     cfg = fam.config("tiny")
     seq = SEQ if fam.INPUT == "inputs" else None
+    mesh = make_mesh(mesh_spec, devices)
+    # A pp preset splits the layer stack over 'stage': it runs as a pipeline (GPipe, the default
+    # schedule), never as an ordinary step with split weights (compile_train_step refuses that).
+    pipeline = pipeline_for(fam, strategy, dict(mesh.shape)["stage"])
     return compile_train_step(
         lambda rngs: fam.Model(cfg, rngs=rngs),
         fam.loss,
         OPTIMIZER,
         *preset(family, strategy),
-        make_mesh(mesh_spec, devices),
+        mesh,
         fam.batch_shapes(cfg, batch, seq),
         accum_steps=accum,
+        pipeline=pipeline,
     )
 
 
