@@ -3,7 +3,10 @@
 Pure data about names: no devices, no meshes, no JAX objects, and no knowledge of `sharding` (which
 binds these to a mesh with `sharding.resolve`). Input that cannot be used raises a
 `PartitionRulesError` (a `ValueError`): `MalformedRuleError`, `RuleConflictError`,
-`UnknownPresetError`.
+`UnknownPresetError`, `AxisRenameError`.
+
+The shipped strategies map the shipped logical axis names (`LOGICAL_AXES`); for a rule table
+with names of your own, ``strategy("fsdp_tp", embed="hidden", mlp="ffn")`` renames them.
 
 Example:
     >>> rules, axis_map = preset("llama", "fsdp_tp")
@@ -12,7 +15,13 @@ Example:
 """
 
 from partition_rules import cnn, gpt2, llama, mlp, strategies
-from partition_rules._presets import FAMILY_RULES, family_rules, preset, strategy
+from partition_rules._presets import (
+    FAMILY_RULES,
+    AxisRenameError,
+    family_rules,
+    preset,
+    strategy,
+)
 from partition_rules._rules import (
     AxisEntry,
     AxisMap,
@@ -25,14 +34,16 @@ from partition_rules._rules import (
     UnknownPresetError,
     direct_rules,
 )
-from partition_rules.strategies import PIPELINE_STRATEGIES, STRATEGIES
+from partition_rules.strategies import LOGICAL_AXES, PIPELINE_STRATEGIES, STRATEGIES
 
 __all__ = [
     "FAMILY_RULES",
+    "LOGICAL_AXES",
     "PIPELINE_STRATEGIES",
     "STRATEGIES",
     "AxisEntry",
     "AxisMap",
+    "AxisRenameError",
     "MalformedRuleError",
     "MeshAxes",
     "PartitionRulesError",

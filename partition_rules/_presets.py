@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from partition_rules import cnn, gpt2, llama, mlp
-from partition_rules._rules import AxisMap, Rules, UnknownPresetError
+from partition_rules._rules import AxisMap, MeshAxes, PartitionRulesError, Rules, UnknownPresetError
 from partition_rules.strategies import STRATEGIES
+
+
+class AxisRenameError(PartitionRulesError):
+    """A `strategy` renaming that cannot be applied: an unknown shipped logical axis, one user
+    name given for two shipped names, or a name that is not a non-empty string."""
+
 
 FAMILY_RULES: dict[str, Rules] = {
     "llama": llama.RULES,
@@ -30,10 +36,24 @@ def family_rules(family: str) -> Rules:
     return FAMILY_RULES[family]
 
 
-def strategy(name: str) -> AxisMap:
-    """The axis map of a strategy; `UnknownPresetError` listing the strategies that exist.
+def strategy(name: str, **names: str | tuple[str, ...]) -> AxisMap:
+    """The axis map of a strategy, optionally over your own logical axis names.
+
+    Without keywords: the shipped map (`STRATEGIES[name]`). Each keyword renames one shipped
+    logical axis (`strategies.LOGICAL_AXES`) to the name your rule table uses, or to a tuple of
+    names that all go where it goes. Shipped names you do not rename keep their entries; where
+    one of your names equals a shipped name you did not rename, yours wins.
+
+    Raises:
+        UnknownPresetError: `name` is not a strategy (the message lists them).
+        AxisRenameError: a keyword that is not a shipped logical axis, one of your names given
+            for two shipped names, or a name that is not a non-empty string.
 
     Example:
+        >>> m = strategy("fsdp_tp", embed="hidden", heads="n_heads", mlp=("ffn", "expert_ffn"),
+        ...              layers="blocks")
+        >>> m["hidden"], m["n_heads"], m["ffn"], m["expert_ffn"], m["blocks"], m["vocab"]
+        ('fsdp', 'tensor', 'tensor', 'tensor', None, 'tensor')
         >>> strategy("fsdp")["embed"]
         'fsdp'
     """
@@ -41,7 +61,47 @@ def strategy(name: str) -> AxisMap:
         raise UnknownPresetError(
             f"unknown strategy {name!r}; strategies that exist: {', '.join(STRATEGIES)}"
         )
-    return STRATEGIES[name]
+    base = STRATEGIES[name]
+    if not names:
+        return base
+    renamed = _user_names(name, base, names)
+    kept = {k: v for k, v in base.items() if k not in names and k not in renamed}
+    return AxisMap({**kept, **renamed})
+
+
+def _user_names(name: str, base: AxisMap, names: dict[str, object]) -> dict[str, MeshAxes]:
+    """{user name: mesh axes} from strategy(name, shipped=user, ...), every name checked."""
+    unknown = [k for k in names if k not in base]
+    if unknown:
+        key, value = unknown[0], names[unknown[0]]
+        swapped = isinstance(value, str) and value in base
+        example = (
+            f"{value}={key!r} (swapped?)" if swapped else f"strategy({name!r}, embed='hidden')"
+        )
+        raise AxisRenameError(
+            f"strategy({name!r}, {key}=...): {key!r} is not a shipped logical axis; the keywords "
+            f"name shipped axes ({', '.join(base)}) and their values your names, e.g. {example}"
+        )
+    owner: dict[str, str] = {}
+    for shipped, users in names.items():
+        group = users if isinstance(users, tuple | list) else (users,)
+        bad = [u for u in group if not isinstance(u, str) or not u]
+        if bad or not group:
+            raise AxisRenameError(
+                f"strategy({name!r}, {shipped}={users!r}): "
+                f"{'no name' if not group else repr(bad[0])} is not a logical axis name; give a "
+                f"non-empty string or a tuple of them, e.g. {shipped}='my_{shipped}' or "
+                f"{shipped}=('a', 'b')"
+            )
+        for u in group:
+            if owner.get(u, shipped) != shipped:
+                raise AxisRenameError(
+                    f"strategy({name!r}, ...): your name {u!r} is given for both {owner[u]!r} "
+                    f"and {shipped!r}; one logical axis goes to one place: keep {u!r} on one "
+                    f"keyword and give the other axis its own name"
+                )
+            owner[u] = shipped
+    return {u: base[shipped] for u, shipped in owner.items()}
 
 
 def preset(family: str, strategy_name: str) -> tuple[Rules, AxisMap]:

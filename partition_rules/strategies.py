@@ -10,6 +10,10 @@ Per-feature vectors (``norm``: norm scales, output biases of width d_model) are 
 ``fsdp`` (ZeRO-3 shards everything) and replicated otherwise: under tensor or pipeline
 parallelism they are a rounding error in bytes, and sharding them would cost a collective per use.
 
+Strategies are keyed by the shipped logical axis names (`LOGICAL_AXES`). A rule table written
+with names of its own takes the same strategy renamed: ``partition_rules.strategy("fsdp_tp",
+embed="hidden", mlp="ffn")``.
+
 Example:
     >>> FSDP_TP["embed"], FSDP_TP["heads"], FSDP_TP["layers"]
     ('fsdp', 'tensor', None)
@@ -20,7 +24,8 @@ from __future__ import annotations
 from partition_rules._rules import AxisMap
 
 # Every logical axis a family table may use. A strategy maps each of them; a family that uses a
-# name outside this list is reported by `sharding.resolve` as an unknown logical axis.
+# name outside this list is reported by `sharding.resolve` as an unknown logical axis. Your own
+# names: rename these with `partition_rules.strategy(name, embed="hidden", ...)`.
 LOGICAL_AXES = (
     "layers",  # the stacked-blocks axis
     "vocab",  # vocabulary rows of embeddings and heads

@@ -230,6 +230,9 @@ def _place(
     return placement, [], matching
 
 
+UNMATCHED_REASON = "matched no parameter"
+
+
 @dataclass
 class Placements:
     """The placement of every leaf of a parameter tree, in tree order."""
@@ -273,7 +276,7 @@ def place(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: Any) -> P
         if i in won:
             continue
         if not matched_by[i]:
-            unused.append({"index": i, "pattern": rule.pattern, "reason": "matched no parameter"})
+            unused.append({"index": i, "pattern": rule.pattern, "reason": UNMATCHED_REASON})
         else:
             first = next(
                 j for j in range(i) if j in won and set(matched_by[j]) & set(matched_by[i])
@@ -313,11 +316,23 @@ def resolve(rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: jshard.
         >>> from partition_rules import preset
         >>> shardings = resolve(*preset("llama", "fsdp_tp"), params, mesh)  # doctest: +SKIP
     """
-    check_rules("resolve", rules, axis_map)
-    check_mesh("resolve", mesh)
+    return resolve_reporting(rules, axis_map, abstract_params, mesh, fn="resolve")[0]
+
+
+def resolve_reporting(
+    rules: Rules, axis_map: AxisMap, abstract_params: Any, mesh: jshard.Mesh, *, fn: str
+) -> tuple[Any, list[dict]]:
+    """`resolve`, and the rules that matched no parameter at all (almost always a typo'd regex).
+
+    Rules that matched parameters placed by an earlier rule (a catch-all after complete rules)
+    are left out: they are a normal way to write a table, not a mistake.
+    """
+    check_rules(fn, rules, axis_map)
+    check_mesh(fn, mesh)
     p = place(rules, axis_map, abstract_params, mesh)
     shardings = [jshard.NamedSharding(mesh, pl.partition_spec()) for pl in p.placements]
-    return jax.tree_util.tree_unflatten(p.treedef, shardings)
+    unmatched = [u for u in p.unused_rules if u["reason"] == UNMATCHED_REASON]
+    return jax.tree_util.tree_unflatten(p.treedef, shardings), unmatched
 
 
 def shard_abstract(abstract_params: Any, shardings: Any) -> Any:

@@ -33,7 +33,7 @@ from sharding._checks import (
 )
 from sharding._init import abstract_params
 from sharding._mesh import BATCH_AXES
-from sharding._resolve import path_str, resolve, shard_abstract
+from sharding._resolve import path_str, resolve_reporting, shard_abstract
 from sharding._shardings import (  # noqa: F401  (re-exported: the errors are the step's)
     AccumulationError,
     BatchShardingError,
@@ -52,7 +52,9 @@ class TrainProgram:
     """A compiled training step: `init(seed)` -> state born sharded; `step(state, batch)`.
 
     Build it with `compile_train_step`. The step is compiled ahead of time from abstract shapes
-    on first use (`compiled`), and `report()` inspects that same executable.
+    on first use (`compiled`), and `report()` inspects that same executable. `unused_rules`: the
+    rules that matched no parameter at all (``{index, pattern, reason}``; almost always a typo'd
+    regex), also shown by `report()`; a rule shadowed by an earlier one is not listed.
     """
 
     mesh: jshard.Mesh
@@ -70,6 +72,7 @@ class TrainProgram:
     compile_time_s: float | None = None
     schedule: Any = None  # the pipeline's `Schedule`, None without a pipeline
     check_batch: Callable[[dict], None] | None = field(default=None, repr=False)
+    unused_rules: list[dict] = field(default_factory=list)
 
     @property
     def param_shardings(self) -> Any:
@@ -138,6 +141,10 @@ class TrainProgram:
             s = self.schedule
             report.extra["pipeline"] = f"{s.name} stages={s.stages} microbatches={s.microbatches}"
             report.extra["bubble_fraction"] = round(s.bubble_fraction, 4)
+        if self.unused_rules:
+            report.extra["rules that matched no parameter (check the regex)"] = ", ".join(
+                f"rule {u['index']} {u['pattern']!r}" for u in self.unused_rules
+            )
         return report
 
 
@@ -246,7 +253,7 @@ def compile_train_step(
         n_layers = jax.tree.leaves(params["layers"])[0].shape[0]
         batch = next(iter(batch_shapes.values())).shape[0]
         schedule = check_pipeline(pipeline, mesh, axis_map, n_layers, batch // accum_steps)
-    param_shardings = resolve(rules, axis_map, params, mesh)
+    param_shardings, unused_rules = resolve_reporting(rules, axis_map, params, mesh, fn=fn)
     if pipeline is None:
         _check_no_stage_split(param_shardings, mesh)
     if remat != "none" and not takes_remat(loss_fn):
@@ -346,4 +353,5 @@ def compile_train_step(
         _eval_fn=eval_fn,
         schedule=schedule,
         check_batch=check_batch,
+        unused_rules=unused_rules,
     )
