@@ -26,7 +26,7 @@ ROWS = [
     ("compare --devices 0", r"--devices: 0 must be >= 1"),
     # compare: what to measure, and where the results go
     ("compare --strategies dp,zero3", r"--strategies 'dp,zero3': unknown strategies \['zero3'\]"),
-    ("compare --model cnn", r"--model: invalid choice: 'cnn' \(choose from 'llama', 'gpt2'\)"),
+    ("compare --model cnn --seq 32", r"--seq 32: cnn tiny has no sequence axis.*drop --seq"),
     ("compare --size 7x", r"--size '7x': unknown llama size; sizes: tiny, maxtext-tiny, 1b"),
     ("compare --out taken", r"--out 'taken' is a file; .* give a folder path, e.g. --out"),
     ("compare --out taken/sub", r"--out 'taken/sub': 'taken' is a file, not a folder"),

@@ -19,7 +19,6 @@ from sharding.cli._common import (
     positive_int,
     setup_devices,
 )
-from sharding.costmodel import LM_FAMILIES
 
 
 class _Renamed(argparse.Action):
@@ -37,12 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "compare", help="measure and compare strategies (the main job)",
                     doc=__doc__, examples=["", "--strategies dp,fsdp --timed-steps 2",
                                            "--model gpt2 --memory 80GB --out gpt2-compare"])  # fmt: skip
-    add_model_args(p, families=LM_FAMILIES)
+    add_model_args(p)
     add_devices_arg(p)
     p.add_argument("--mesh", help="run every strategy on this one mesh instead of its own shape")
     p.add_argument("--strategies", help="comma-separated subset, e.g. dp,fsdp,pp (default: all)")
     p.add_argument("--batch", type=positive_int, default=32, help="global batch in sequences")
-    p.add_argument("--seq", type=positive_int, default=128, help="sequence length")
+    p.add_argument("--seq", type=positive_int,
+                   help="sequence length of a language model (when unset: 128; cnn and mlp "
+                   "batches have no sequence axis)")  # fmt: skip
     p.add_argument("--timed-steps", type=positive_int, default=8,
                    help="timed steps per layout (the median is reported)")  # fmt: skip
     p.add_argument("--warmup-steps", type=non_negative_int, default=2,

@@ -29,10 +29,11 @@ from sharding.comparison._errors import (
 from sharding.comparison._measure import CompareConfig, Result, Skipped, measure, reference
 from sharding.comparison._plot import plot
 from sharding.comparison._verdict import Recommendation, comparison_table, recommend
-from sharding.costmodel import LM_FAMILIES, Layout, layouts, strategy_names
+from sharding.costmodel import Layout, layouts, strategy_names
 from sharding.inspection import Peak, host_peak
 
 DTYPES = ("float32", "bfloat16")
+DEFAULT_SEQ = 128  # tokens per sequence when a language model is compared without --seq
 OUTPUTS = ("compare.json", "compare.png")
 REFERENCE_TASK = "unsplit step (1 device)"
 
@@ -77,7 +78,7 @@ class Comparison:
         conf, dev = self.config, self.devices
         parts: list[Any] = [
             f"[bold]{self.family} {self.size}[/]: {self.parameters:,} parameters, global batch "
-            f"{conf.batch} x {conf.seq} tokens, {conf.dtype}, {dev['count']} {dev['platform']} "
+            f"{_batch_text(conf)}, {conf.dtype}, {dev['count']} {dev['platform']} "
             f"devices ({dev['kind']}); MFU against {self.peak.flops_per_s / 1e12:.3g} TFLOP/s "
             f"({self.peak.source}), useful matmul FLOPs/step {self.useful_flops:.4g}"
         ]
@@ -160,7 +161,7 @@ def compare(
     size: str = "tiny",
     cfg: Any = None,
     batch: int = 32,
-    seq: int = 128,
+    seq: int | None = None,
     dtype: str = "float32",
     timed_steps: int = 8,
     warmup_steps: int = 2,
@@ -181,7 +182,8 @@ def compare(
     Args:
         family: a language-model family module (``models.llama``, ``models.gpt2``).
         size, cfg: a named size of the family, or a Config (then ``size`` is ignored).
-        batch, seq: global batch (sequences per step) and sequence length.
+        batch, seq: global batch (sequences or samples per step) and, for a language model,
+            the sequence length (default 128); None for a model without a sequence axis.
         dtype: compute dtype, "float32" or "bfloat16".
         timed_steps, warmup_steps: steps timed per layout, and untimed steps before them.
         strategies: a subset of the presets (a comma list or a sequence; default: all).
@@ -206,7 +208,7 @@ def compare(
     """
     import jax
 
-    cfg = _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps)
+    cfg, seq = _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps)
     budget = None if memory_budget is None else _bytes(memory_budget)
     if peak_tflops is not None and not _positive(peak_tflops):
         raise CompareArgumentError(
@@ -261,12 +263,16 @@ def compare(
     return result
 
 
-def _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps) -> Any:
+def _batch_text(conf: CompareConfig) -> str:
+    return f"{conf.batch} x {conf.seq} tokens" if conf.seq else f"{conf.batch} samples"
+
+
+def _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps) -> tuple[Any, Any]:
     name = getattr(family, "NAME", None)
-    if name not in LM_FAMILIES:
+    if name is None or not all(hasattr(family, a) for a in ("Model", "loss", "config", "SIZES")):
         raise CompareArgumentError(
-            f"--model {name or family!r}: compare measures the language-model families "
-            f"{', '.join(LM_FAMILIES)}; choose one of them"
+            f"--model {family!r}: compare takes a model family module (NAME, Model, loss, "
+            f"config, SIZES, batch_shapes, make_batch), e.g. models.llama or models.cnn"
         )
     if cfg is None:
         if size not in family.SIZES:
@@ -274,19 +280,26 @@ def _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps) -> A
                 f"--size {size!r}: unknown {name} size; sizes: {', '.join(family.SIZES)}"
             )
         cfg = family.config(size)
-    counts = (("--batch", batch, 1), ("--seq", seq, 1), ("--timed-steps", timed_steps, 1),
-              ("--warmup-steps", warmup_steps, 0))  # fmt: skip
+    sequences = hasattr(cfg, "max_seq_len")
+    if not sequences and seq is not None:
+        raise CompareArgumentError(
+            f"--seq {seq!r}: {name} {cfg.name} has no sequence axis (its batch is "
+            f"{', '.join(family.batch_shapes(cfg, 1))}); drop --seq"
+        )
+    seq = (DEFAULT_SEQ if seq is None else seq) if sequences else None
+    counts = (("--batch", batch, 1), ("--timed-steps", timed_steps, 1),
+              ("--warmup-steps", warmup_steps, 0)) + ((("--seq", seq, 1),) if sequences else ())  # fmt: skip
     for flag, value, low in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise CompareArgumentError(f"{flag} {value!r}: give a whole number >= {low}")
-    if seq > cfg.max_seq_len:
+    if sequences and seq > cfg.max_seq_len:
         raise CompareArgumentError(
             f"--seq {seq}: {name} {cfg.name} holds at most {cfg.max_seq_len} positions; use "
             f"--seq {cfg.max_seq_len} or less"
         )
     if dtype not in DTYPES:
         raise CompareArgumentError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    return cfg
+    return cfg, seq
 
 
 def _positive(value: Any) -> bool:

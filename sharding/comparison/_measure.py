@@ -30,7 +30,7 @@ class CompareConfig:
     family: str = "llama"
     size: str = "tiny"
     batch: int = 32
-    seq: int = 128
+    seq: int | None = 128  # None for models whose batch has no sequence axis (images, features)
     dtype: str = "float32"
     timed_steps: int = 8
     warmup_steps: int = 2
@@ -61,11 +61,12 @@ class Result:
     matmul_flops: float
     compile_time_s: float
     step_times_s: list[float]
-    tokens_per_step: int
+    tokens_per_step: int  # tokens, or samples for models without a sequence axis (`unit`)
     losses: list[float]
     bubble: float | None = None
     mfu: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    unit: str = "tokens"  # what tokens_per_step counts: tokens, or samples
 
     @property
     def step_time_s(self) -> float:
@@ -147,7 +148,8 @@ def measure(
         matmul_flops=report.matmul_flops,
         compile_time_s=program.compile_time_s,
         step_times_s=times,
-        tokens_per_step=conf.batch * conf.seq,
+        tokens_per_step=conf.batch * (conf.seq or 1),
+        unit="tokens" if conf.seq else "samples",
         losses=losses,
         bubble=report.extra.get("bubble_fraction"),
     )

@@ -33,7 +33,7 @@ def comparison_table(
     """One row per candidate: what is split, what moves, memory, speed, utilisation, bubble."""
     table = Table(title="strategies measured (per device, per step)", title_justify="left")
     cols = ["strategy / mesh", "splits", "communicates", "bytes/step", "train state",
-            "memory", "step", "tokens/s", "MFU", "bubble", "compile", "loss@1"]  # fmt: skip
+            "memory", "step", f"{results[0].unit}/s", "MFU", "bubble", "compile", "loss@1"]  # fmt: skip
     if memory_budget is not None:
         cols.insert(6, "fits")
     for c in cols:
@@ -108,7 +108,7 @@ def recommend(
     ms = lambda r: f"{r.step_time_s * 1e3:.1f} ms"  # noqa: E731
     lines = [
         f"{best.candidate.label} on {best.candidate.mesh}: the fastest step measured "
-        f"({ms(best)}, {fmt_count(best.tokens_per_s)} tokens/s), holding "
+        f"({ms(best)}, {fmt_count(best.tokens_per_s)} {best.unit}/s), holding "
         f"{fmt_bytes(best.state_bytes)} of train state per device "
         f"({best.state_bytes / unsplit_state:.2f}x the unsplit model)."
     ]
