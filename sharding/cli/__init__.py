@@ -12,7 +12,7 @@ import sys
 from importlib import metadata
 
 from sharding.cli import compare, explain, launch, plan, reshard, train
-from sharding.cli._common import HelpFormatter, Parser
+from sharding.cli.common import HelpFormatter, Parser
 
 COMMANDS = {
     "compare": compare,

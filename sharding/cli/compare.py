@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sharding.cli._common import (
+from sharding.cli.common import (
     add_command,
     add_devices_arg,
     add_model_args,

@@ -14,7 +14,7 @@ import models
 from partition_rules import preset
 from partition_rules.strategies import EXAMPLE_MESHES_8
 from sharding import MeshSpec, MeshSpecError, explain
-from sharding.cli._common import (
+from sharding.cli.common import (
     add_command,
     add_devices_arg,
     add_model_args,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from sharding.cli._common import add_command, positive_int
+from sharding.cli.common import add_command, positive_int
 from sharding.training import LAUNCH_GRACE_S, launch
 
 EXAMPLES = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from partition_rules import STRATEGIES
-from sharding.cli._common import (
+from sharding.cli.common import (
     add_command,
     add_devices_arg,
     add_model_args,

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from partition_rules import STRATEGIES
-from sharding.cli._common import add_command, add_devices_arg, console, non_negative_int
+from sharding.cli.common import add_command, add_devices_arg, console, non_negative_int
 
 EXAMPLES = [
     "ck ck_tp --mesh fsdp=2,tensor=4 --strategy fsdp_tp",

@@ -13,7 +13,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from sharding.cli._common import (
+from sharding.cli.common import (
     add_command,
     add_devices_arg,
     add_model_args,
@@ -24,7 +24,7 @@ from sharding.cli._common import (
     positive_int,
     setup_devices,
 )
-from sharding.cli._multihost import add_distributed_args, join_from_args
+from sharding.cli.multihost import add_distributed_args, join_from_args
 from sharding.costmodel import LM_FAMILIES  # the families train takes: the language models
 from sharding.training import ELASTIC_POLICIES, NonFiniteLossError, TrainConfig, fit
 

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from sharding.cli._common import non_negative_int, positive_int
+from sharding.cli.common import non_negative_int, positive_int
 from sharding.training import HEARTBEAT_TIMEOUT_S, JoinedRun, join_run
 
 # Fragments of the runtime's errors when a peer vanished mid-collective or from the service.
