@@ -26,8 +26,10 @@ def compile_seconds(strategy: str, mesh_spec: str, *, layers: int, batch: int, s
     cand = Layout(strategy, mesh_spec, schedule, microbatches or None)
     best = float("inf")
     for _ in range(repeats):
+        from sharding import Workload
+
         # A new program (new closures) every time: no in-memory cache hit.
-        program = build(cand, fam, cfg, CompareConfig(batch=batch, seq=seq))
+        program = build(cand, Workload.from_family(fam, cfg), CompareConfig(batch=batch, seq=seq))
         program.compiled  # noqa: B018 - compiles and records compile_time_s
         best = min(best, program.compile_time_s)
     return best

@@ -51,11 +51,12 @@ def train_flops_6nd(n_params: int, tokens: int) -> float:
 
 def _build(fam: Any, cfg: Any, args: Any, device: Any, remat: str) -> Any:
     """The one-device dp program (built, not compiled: its abstract state is sized first)."""
+    from sharding import Workload
     from sharding.comparison import CompareConfig, build
     from sharding.costmodel import Layout
 
     conf = CompareConfig(batch=args.batch, seq=args.seq, dtype=args.dtype, lr=1e-4, remat=remat)
-    return build(Layout("dp", "data=1"), fam, cfg, conf, [device])
+    return build(Layout("dp", "data=1"), Workload.from_family(fam, cfg), conf, [device])
 
 
 def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[str, Any]:

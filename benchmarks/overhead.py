@@ -65,6 +65,7 @@ def measure(strategy: str, mesh_spec: str, args) -> dict:
     import optax
 
     import models
+    from sharding import Workload
     from sharding.comparison import CompareConfig, build
     from sharding.costmodel import Layout
     from sharding.inspection import compile_and_inspect
@@ -72,7 +73,7 @@ def measure(strategy: str, mesh_spec: str, args) -> dict:
     fam = models.get_family("llama")
     cfg = fam.config(args.size)
     conf = CompareConfig(batch=args.batch, seq=args.seq)
-    program = build(Layout(strategy, mesh_spec), fam, cfg, conf)
+    program = build(Layout(strategy, mesh_spec), Workload.from_family(fam, cfg), conf)
     mesh, shapes = program.mesh, program.batch_shapes
     optimizer = optax.adamw(conf.lr)  # the same update, for the hand-written step
     ours = program.report()

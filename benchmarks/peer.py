@@ -166,6 +166,7 @@ def maxtext_command(label: str, mesh: str, microbatches: int | None, *, steps: i
 def run_spmdkit(args: Any) -> list[dict[str, Any]]:
     """Compile, warm up and time spmdkit's step on each mesh (`sharding.comparison.measure`)."""
     import models
+    from sharding import Workload
     from sharding.comparison import CompareConfig, measure
     from sharding.costmodel import Layout
 
@@ -179,7 +180,7 @@ def run_spmdkit(args: Any) -> list[dict[str, Any]]:
         if label not in args.meshes:
             continue
         cand = Layout(strategy, mesh, "gpipe" if micro else None, micro)
-        r = measure(cand, fam, cfg, conf)
+        r = measure(cand, Workload.from_family(fam, cfg), conf)
         secs = r.step_time_s
         rows.append({
             "label": label, "mesh": mesh, "seconds": secs,

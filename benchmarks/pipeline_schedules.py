@@ -77,7 +77,7 @@ def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
     from flax import nnx
 
     import models
-    from sharding import MeshSpec
+    from sharding import MeshSpec, Workload
     from sharding.comparison import CompareConfig, build
     from sharding.costmodel import Layout
     from sharding.pipeline import stack_flop_overhead
@@ -87,8 +87,13 @@ def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
     n = p * args.data
     batch = args.batch or m * args.data
     cand = Layout("pp", str(MeshSpec(stage=p, data=args.data)), schedule, m, REPEATS[schedule])
-    program = build(cand, fam, cfg, CompareConfig(batch=batch, seq=args.seq), jax.devices()[:n])
-    spec, mesh = cand.pipeline(fam), program.mesh
+    program = build(
+        cand,
+        Workload.from_family(fam, cfg),
+        CompareConfig(batch=batch, seq=args.seq),
+        jax.devices()[:n],
+    )
+    spec, mesh = cand.pipeline(), program.mesh
     report = program.report()  # compiles; program.compile_time_s is tracing + XLA
     overhead = None
     if schedule != "1f1b" and not args.no_overhead:

@@ -62,7 +62,7 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
     import jax
 
     import models
-    from sharding import state_bytes
+    from sharding import Workload, state_bytes
     from sharding.comparison import CompareConfig, build
     from sharding.costmodel import Layout
 
@@ -74,9 +74,9 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
     unpiped = "dp" if strategy == "pp" and not pipelined else strategy
     cand = Layout(unpiped, spec, "gpipe" if pipelined else None, 2 * n if pipelined else None)
     start = time.perf_counter()
-    program = build(cand, fam, cfg, CompareConfig(batch=args.batch, seq=args.seq),
+    program = build(cand, Workload.from_family(fam, cfg), CompareConfig(batch=args.batch, seq=args.seq),
                     jax.devices()[:n])  # fmt: skip
-    pipeline = cand.pipeline(fam)
+    pipeline = cand.pipeline()
     report = program.report()
     elapsed = time.perf_counter() - start
     m = report.memory

@@ -40,7 +40,7 @@ from flax import nnx
 
 from models import _config
 from models._errors import ModelConfigError
-from models.layers import Dense, Remat, RMSNorm, cross_entropy, make_stacked, normal, scan_layers
+from models.layers import Dense, Remat, RMSNorm, cross_entropy, make_stacked, normal
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
 NAME = "cnn"  # the family name partition_rules presets are keyed by
@@ -156,7 +156,7 @@ class Model(nnx.Module):
         return self.stem(images_BYXC.astype(self.stem.kernel.dtype))
 
     def __call__(self, images_BYXC: jax.Array, *, remat: Remat | None = None) -> jax.Array:
-        return self.head(scan_layers(self.layers, self.embed(images_BYXC), remat=remat))
+        return self.head(self.layers(self.embed(images_BYXC), remat=remat))
 
 
 def loss_from_logits(logits_BC: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:

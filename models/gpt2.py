@@ -47,7 +47,6 @@ from models.layers import (
     cross_entropy,
     make_stacked,
     residual_std,
-    scan_layers,
 )
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
@@ -163,7 +162,7 @@ class Model(nnx.Module):
         return self.wte.attend(self.ln_f(h_BSD))
 
     def __call__(self, inputs_BS: jax.Array, *, remat: Remat | None = None) -> jax.Array:
-        return self.head(scan_layers(self.layers, self.embed(inputs_BS), remat=remat))
+        return self.head(self.layers(self.embed(inputs_BS), remat=remat))
 
 
 def loss_from_logits(logits_BSV: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:

@@ -16,6 +16,7 @@ promotion. Only norm statistics, attention softmax and the loss run in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -32,6 +33,8 @@ __all__ = [
     "SelfAttention",
     "causal_attention",
     "cross_entropy",
+    "layer",
+    "layer_class",
     "layer_norm",
     "make_stacked",
     "normal",
@@ -234,8 +237,19 @@ def make_stacked(make_block: Callable[[nnx.Rngs], nnx.Module], n_layers: int, rn
     """Build `n_layers` independent blocks stacked on a leading axis of every parameter.
 
     Uses `nnx.split_rngs` + `nnx.vmap`, so each layer gets its own key and the result is one
-    module whose params have shape `[n_layers, ...]` (the "layers" axis partition rules and the
-    pipeline cut on).
+    module whose params have shape `[n_layers, ...]` (the axis partition rules and pipelines cut
+    on). Its parameter paths are the block's own (``layers/attn/q/kernel``), and calling it
+    applies the layers in order: ``stack(h, *extras, **kw_extras)`` runs
+    ``block(h, *extras, **kw_extras)`` once per layer in a `jax.lax.scan`, every layer seeing the
+    same extra inputs (positions, masks, segment ids). That call is the seam spmdkit drives: it
+    pipelines the stack or wraps each layer in a remat policy by taking over exactly this call.
+
+    Example:
+        >>> stack = make_stacked(lambda r: Dense((8,), (8,), std=0.1, rngs=r), 3, nnx.Rngs(0))
+        >>> stack.kernel.shape, stack(jnp.ones((2, 8))).shape
+        ((3, 8, 8), (2, 8))
+        >>> layer_class(stack).__name__
+        'Dense'
     """
 
     @nnx.split_rngs(splits=n_layers)
@@ -243,16 +257,57 @@ def make_stacked(make_block: Callable[[nnx.Rngs], nnx.Module], n_layers: int, rn
     def create(rngs: nnx.Rngs) -> nnx.Module:
         return make_block(rngs)
 
-    return create(rngs)
+    stack = create(rngs)
+    stack.__class__ = _stacked_class(type(stack))
+    return stack
 
 
-def scan_layers(layers: nnx.Module, h: jax.Array, *, remat: Remat | None = None) -> jax.Array:
+@functools.cache
+def _stacked_class(block_class: type) -> type:
+    """``Stacked[Block]``: the block's class whose call scans over the leading layer axis.
+
+    A subclass, so a stack is still a ``Block`` to `isinstance` and to anything that walks
+    modules, and its state has exactly the block's parameter paths.
+    """
+
+    def __call__(self, h: jax.Array, *extras, remat: Remat | None = None, **kw_extras):
+        return scan_layers(self, h, *extras, remat=remat, **kw_extras)
+
+    name = f"Stacked[{block_class.__name__}]"
+    return type(name, (block_class,), {"__call__": __call__, "layer_class": block_class,
+                                       "__qualname__": name, "__module__": block_class.__module__})  # fmt: skip
+
+
+def layer_class(stack: nnx.Module) -> type | None:
+    """The class of one layer of a stack built by `make_stacked` (None for any other module)."""
+    return getattr(type(stack), "layer_class", None)
+
+
+def layer(stack: nnx.Module, i: int) -> nnx.Module:
+    """Layer ``i`` of a stack built by `make_stacked`, as a plain block (its own call).
+
+    Example:
+        >>> stack = make_stacked(lambda r: Dense((8,), (8,), std=0.1, rngs=r), 3, nnx.Rngs(0))
+        >>> type(layer(stack, 1)).__name__, layer(stack, 1).kernel.shape
+        ('Dense', (8, 8))
+    """
+    graphdef, state = nnx.split(stack)
+    one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+    one.__class__ = layer_class(stack) or type(stack)
+    return one
+
+
+def scan_layers(
+    layers: nnx.Module, h: jax.Array, *extras, remat: Remat | None = None, **kw_extras
+) -> jax.Array:
     """Apply a stacked block module to `h`, one layer per `jax.lax.scan` step.
 
     Args:
         layers: module built by `make_stacked` (any leading-axis size: the whole depth or one
             pipeline stage's slice of it).
         h: activations carried from layer to layer.
+        *extras, **kw_extras: inputs every layer takes besides `h` (positions, masks), passed
+            unchanged to each layer.
         remat: optional wrapper of the per-layer body, e.g. `jax.checkpoint` or
             `functools.partial(jax.checkpoint, policy=...)`; None stores activations as usual.
 
@@ -264,9 +319,10 @@ def scan_layers(layers: nnx.Module, h: jax.Array, *, remat: Remat | None = None)
         (2, 8, 64)
     """
     graphdef, state = nnx.split(layers)
+    call = (layer_class(layers) or type(layers)).__call__
 
     def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h), None
+        return call(nnx.merge(graphdef, layer_state), h, *extras, **kw_extras), None
 
     if remat is not None:
         body = remat(body)

@@ -45,7 +45,6 @@ from models.layers import (
     cross_entropy,
     make_stacked,
     residual_std,
-    scan_layers,
 )
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
@@ -106,6 +105,11 @@ SIZES: dict[str, Config] = {
     "7b": Config(
         name="7b", vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
         head_dim=128, d_ff=11_008, max_seq_len=4096,
+    ),
+    # Llama-3-8B.
+    "8b": Config(
+        name="8b", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        head_dim=128, d_ff=14_336, max_seq_len=8192, rope_theta=500_000.0,
     ),
     # Llama-2-70B.
     "70b": Config(
@@ -169,7 +173,7 @@ class Model(nnx.Module):
         _config.checked_ids(
             _config.who(self.cfg), "inputs", inputs_BS, self.cfg.vocab_size, "token"
         )
-        return self.head(scan_layers(self.layers, self.embed(inputs_BS), remat=remat))
+        return self.head(self.layers(self.embed(inputs_BS), remat=remat))
 
 
 def loss_from_logits(logits_BSV: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import _config
-from models.layers import Dense, Remat, cross_entropy, make_stacked, scan_layers
+from models.layers import Dense, Remat, cross_entropy, make_stacked
 
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
 NAME = "mlp"  # the family name partition_rules presets are keyed by
@@ -96,7 +96,7 @@ class Model(nnx.Module):
         return self.output(h_BD)
 
     def __call__(self, x_BI: jax.Array, *, remat: Remat | None = None) -> jax.Array:
-        return self.head(scan_layers(self.layers, self.embed(x_BI), remat=remat))
+        return self.head(self.layers(self.embed(x_BI), remat=remat))
 
 
 def loss_from_logits(logits_BC: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:

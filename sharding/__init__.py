@@ -18,7 +18,7 @@ Every error for input spmdkit cannot take is a `SpmdkitError` (a `ValueError`), 
 base per concept.
 """
 
-from sharding import comparison, costmodel, inspection, pipeline, training
+from sharding import comparison, costmodel, inspection, pipeline, targets, training
 from sharding._checks import ArgumentTypeError, StepArgumentError
 from sharding._devices import cpu_only, setup_devices
 from sharding._errors import SpmdkitError
@@ -54,6 +54,7 @@ from sharding._resolve import (
     resolve,
     shard_abstract,
 )
+from sharding._stack import StackError
 from sharding._step import (
     AccumulationError,
     BatchShardingError,
@@ -63,6 +64,7 @@ from sharding._step import (
     remat_wrapper,
 )
 from sharding._units import SizeFormatError, fmt_bytes, fmt_count, parse_bytes
+from sharding._workload import Workload, WorkloadError, load_workload
 from sharding.comparison import compare
 from sharding.costmodel import plan
 from sharding.training import fit, launch, reshard
@@ -87,6 +89,7 @@ __all__ = [
     "RuleError",
     "SizeFormatError",
     "SpmdkitError",
+    "StackError",
     "StepArgumentError",
     "StepConfigError",
     "TrainProgram",
@@ -94,6 +97,8 @@ __all__ = [
     "UnknownMeshAxisError",
     "UnknownMeshAxisNameError",
     "UnmatchedParameterError",
+    "Workload",
+    "WorkloadError",
     "abstract_params",
     "build_program",
     "compare",
@@ -108,6 +113,7 @@ __all__ = [
     "init_sharded",
     "inspection",
     "launch",
+    "load_workload",
     "make_mesh",
     "mesh_sizes",
     "mesh_text",
@@ -124,5 +130,6 @@ __all__ = [
     "shard_abstract",
     "simulate_cpu_devices",
     "state_bytes",
+    "targets",
     "training",
 ]

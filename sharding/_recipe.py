@@ -1,9 +1,9 @@
-"""The one recipe that turns (model family, strategy, mesh, batch) into a compiled train step.
+"""The one recipe that turns (workload, strategy, mesh, batch) into a compiled train step.
 
 `compare` measures with it, `plan --aot` compiles with it and `fit` trains with it, so the three
-always build the same program for the same settings: the family's preset rules under the named
-strategy, the batch shapes for a global batch and sequence length, and, for a pipeline strategy,
-a `PipelineSpec` from the family's pipeline pieces.
+always build the same program for the same settings: the workload's rules under the named
+strategy (over its own logical names), the batch shapes for a global batch and sequence length,
+and, for a pipeline strategy, a `PipelineSpec` over the workload's layer stack.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 import optax
 from jax import sharding as jshard
 
-from partition_rules import PIPELINE_STRATEGIES, preset
+from partition_rules import PIPELINE_STRATEGIES
 from sharding._mesh import MeshSpec, make_mesh
 from sharding._step import StepConfigError, TrainProgram, compile_train_step
+from sharding._workload import Workload, load_workload
 from sharding.pipeline import PipelineSpec
 
 
 def pipeline_for(
-    family: Any,
     strategy: str,
     stages: int,
     *,
@@ -34,8 +34,8 @@ def pipeline_for(
     micro-batches or repeats under a strategy that does not pipeline is an error, and so is a
     pipeline strategy on a mesh without stages: neither is silently ignored.
 
-    Example (with ``llama`` the model family module ``models.llama``):
-        >>> pipeline_for(llama, "pp", 4, schedule="1f1b").microbatches
+    Example:
+        >>> pipeline_for("pp", 4, schedule="1f1b").microbatches
         8
     """
     asked = [f"--{k}" for k, v in (("schedule", schedule), ("microbatches", microbatches),
@@ -57,19 +57,16 @@ def pipeline_for(
         schedule=schedule,
         microbatches=microbatches or 2 * stages,
         repeats=repeats or (2 if schedule == "circular" else 1),
-        input_key=family.INPUT,
-        loss_from_logits=family.loss_from_logits,
     )
 
 
 def build_program(
-    family: Any,
-    cfg: Any,
+    workload: Workload | Any,
     strategy: str,
     mesh: jshard.Mesh | MeshSpec | str,
     *,
     batch: int,
-    seq: int,
+    seq: int | None = None,
     optimizer: optax.GradientTransformation | None = None,
     accum_steps: int = 1,
     compute_dtype: str = "float32",
@@ -80,40 +77,45 @@ def build_program(
     repeats: int | None = None,
     devices: list | None = None,
 ) -> TrainProgram:
-    """The train step of ``family`` (a model family module, e.g. `models.llama`) under a preset.
+    """The train step of a `Workload` (or a shipped family module at size tiny) under a strategy.
 
     Nothing compiles until the program is first used (``program.compiled``, ``report()``,
     ``step``), so ``program.abstract_state`` sizes any model first.
 
     Args:
-        family, cfg: the family module and its `Config`.
-        strategy: a preset name (`partition_rules.STRATEGIES`).
+        workload: a `Workload` (`Workload.from_family(models.llama, cfg)` for a shipped one).
+        strategy: a strategy name (`partition_rules.STRATEGIES`), applied over the workload's
+            logical names.
         mesh: a jax Mesh, or a spec built over ``devices`` (default: all devices).
-        batch, seq: global batch (sequences per step) and sequence length.
+        batch, seq: global batch (sequences or samples per step) and sequence length (default:
+            the workload's; ignored by a workload without one).
         optimizer: default ``optax.adamw(1e-3)``.
         accum_steps, compute_dtype, remat, clip_norm: as in `compile_train_step`.
         schedule, microbatches, repeats: the pipeline (see `pipeline_for`).
 
     Example (with ``llama`` the model family module ``models.llama``):
-        >>> program = build_program(llama, llama.config("tiny"), "fsdp", "fsdp=8",
-        ...                         batch=16, seq=32)  # doctest: +SKIP
+        >>> work = Workload.from_family(llama, llama.config("tiny"))
+        >>> program = build_program(work, "fsdp", "fsdp=8", batch=16, seq=32)  # doctest: +SKIP
     """
+    work = load_workload(workload)
     if not isinstance(mesh, jshard.Mesh):
         mesh = make_mesh(mesh, devices)
     stages = dict(mesh.shape).get("stage", 1)
-    pipeline = pipeline_for(family, strategy, stages, schedule=schedule,
-                            microbatches=microbatches, repeats=repeats)  # fmt: skip
+    pipeline = pipeline_for(strategy, stages, schedule=schedule, microbatches=microbatches,
+                            repeats=repeats)  # fmt: skip
     return compile_train_step(
-        lambda rngs: family.Model(cfg, rngs=rngs),
-        family.loss,
+        work.model,
+        work.loss,
         optax.adamw(1e-3) if optimizer is None else optimizer,
-        *preset(family.NAME, strategy),
+        work.rules,
+        work.axis_map(strategy),
         mesh,
-        family.batch_shapes(cfg, batch, seq),
+        work.batch_shapes(batch, seq or work.seq),
         accum_steps=accum_steps,
         compute_dtype=compute_dtype,
         remat=remat,
         clip_norm=clip_norm,
         pipeline=pipeline,
-        check_batch=lambda host_batch: family.check_batch(cfg, host_batch),
+        stack=work.stack,
+        check_batch=work.check_batch,
     )

@@ -15,6 +15,8 @@ from jax import sharding as jshard
 from sharding._checks import StepConfigError
 from sharding._mesh import BATCH_AXES
 from sharding._resolve import path_str
+from sharding._stack import split_state
+from sharding.pipeline import PipelineConfigError
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -60,6 +62,45 @@ def layer_wrapper(remat: str, mesh: jshard.Mesh) -> Callable:
         return checkpoint(pinned) if checkpoint else pinned
 
     return wrap
+
+
+def check_no_stage_split(param_shardings: Any, mesh: jshard.Mesh) -> None:
+    """Without a pipeline, no parameter may be split over a ``stage`` axis larger than 1.
+
+    XLA would compile it as an ordinary step with those weights split over the stage devices:
+    every device runs every layer, gathering weights it does not hold. That is neither pipeline
+    parallelism nor what a pp preset asks for.
+    """
+    stages = dict(mesh.shape).get("stage", 1)
+    if stages == 1:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
+    staged = [path_str(k) for k, s in leaves
+              if any("stage" in ((e,) if isinstance(e, str) else (e or ())) for e in s.spec)]  # fmt: skip
+    if staged:
+        raise StepConfigError(
+            f"compile_train_step: {len(staged)} parameters are split over the 'stage' mesh axis "
+            f"(stage={stages}; e.g. {staged[0]}) but no pipeline was given; pass "
+            f"pipeline=PipelineSpec(...) (spmdkit train: a pp strategy takes --schedule and "
+            f"--microbatches), or use a strategy that does not split over 'stage'"
+        )
+
+
+def check_stack_staged(param_shardings: Any, stack: str, mesh: jshard.Mesh) -> None:
+    """Under a pipeline every stack parameter is split over ``stage`` on its layer axis."""
+    stages = dict(mesh.shape)["stage"]
+    inside, _ = split_state(param_shardings, stack)
+    leaves = jax.tree_util.tree_flatten_with_path(inside)[0]
+    for key, s in leaves:
+        first = s.spec[0] if len(s.spec) else None
+        first = (first,) if isinstance(first, str) else tuple(first or ())
+        if stages > 1 and "stage" not in first:
+            raise PipelineConfigError(
+                f"mesh has stage={stages} but the stack parameter {stack}/{path_str(key)} has "
+                f"layout {s.spec} (its layer axis is not split over 'stage'), so it would not be "
+                f"cut into stages; use a pipeline strategy (pp, pp_tp, pp_fsdp), whose rules map "
+                f"the layer axis to 'stage' (for your own names: strategy('pp', layers='blocks'))"
+            )
 
 
 def check_batch_split(batch_shapes: dict, mesh_shape: dict[str, int], accum_steps: int) -> int:

@@ -33,15 +33,18 @@ from sharding._checks import (
 )
 from sharding._init import abstract_params
 from sharding._mesh import BATCH_AXES
-from sharding._resolve import path_str, resolve_reporting, shard_abstract
+from sharding._resolve import resolve_reporting, shard_abstract
 from sharding._shardings import (  # noqa: F401  (re-exported: the errors are the step's)
     AccumulationError,
     BatchShardingError,
     check_batch_split,
+    check_no_stage_split,
+    check_stack_staged,
     layer_wrapper,
     remat_wrapper,
     shardings_like_params,
 )
+from sharding._stack import StackError, find_stack, n_layers, scan_call, taken_over
 from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -152,28 +155,6 @@ def _placed(x: Any, sharding: jshard.NamedSharding) -> bool:
     return isinstance(x, jax.Array) and x.sharding == sharding
 
 
-def _check_no_stage_split(param_shardings: Any, mesh: jshard.Mesh) -> None:
-    """Without a pipeline, no parameter may be split over a ``stage`` axis larger than 1.
-
-    XLA would compile it as an ordinary step with those weights split over the stage devices:
-    every device runs every layer, gathering weights it does not hold. That is neither pipeline
-    parallelism nor what a pp preset asks for.
-    """
-    stages = dict(mesh.shape).get("stage", 1)
-    if stages == 1:
-        return
-    leaves = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
-    staged = [path_str(k) for k, s in leaves
-              if any("stage" in ((e,) if isinstance(e, str) else (e or ())) for e in s.spec)]  # fmt: skip
-    if staged:
-        raise StepConfigError(
-            f"compile_train_step: {len(staged)} parameters are split over the 'stage' mesh axis "
-            f"(stage={stages}; e.g. {staged[0]}) but no pipeline was given; pass "
-            f"pipeline=PipelineSpec(...) (spmdkit train: a pp strategy takes --schedule and "
-            f"--microbatches), or use a strategy that does not split over 'stage'"
-        )
-
-
 def compile_train_step(
     make_model: Callable[[nnx.Rngs], nnx.Module],
     loss_fn: Callable[..., jax.Array],
@@ -188,6 +169,7 @@ def compile_train_step(
     remat: str = "none",
     clip_norm: float | None = None,
     pipeline: PipelineSpec | None = None,
+    stack: str | None = None,
     check_batch: Callable[[dict], None] | None = None,
 ) -> TrainProgram:
     """Build the sharded training step of a model under (rules, axis_map) on `mesh`.
@@ -195,7 +177,8 @@ def compile_train_step(
     Args:
         make_model: ``rngs -> nnx.Module``; called abstractly for shapes and inside the jitted
             initialiser for values.
-        loss_fn: ``(model, batch, *, remat) -> scalar``, e.g. `models.llama.loss`.
+        loss_fn: ``(model, batch) -> scalar``, e.g. `models.llama.loss`; run as written under
+            every strategy and pipeline schedule.
         optimizer: any optax transformation; its state is sharded like the parameters.
         rules, axis_map: a preset, e.g. ``partition_rules.preset("llama", "fsdp_tp")``.
         mesh: the device mesh (`sharding.make_mesh`).
@@ -203,10 +186,15 @@ def compile_train_step(
         accum_steps: micro-steps per optimizer step, run as a `lax.scan` (the batch is split).
         compute_dtype: "float32", or "bfloat16" with float32 master weights (the loss and softmax
             stay float32 inside the models).
-        remat: "none", "full" (recompute each layer in backward), "dots" (save matmul outputs).
+        remat: "none", "full" (recompute each layer in backward), "dots" (save matmul outputs);
+            applied by spmdkit to each layer of ``stack``.
         clip_norm: clip gradients to this global norm (optax.clip_by_global_norm) if given.
-        pipeline: pipeline the layer stack over the ``stage`` axis (`PipelineSpec`); needs a
-            pipeline preset (pp, pp_tp, pp_fsdp).
+        pipeline: pipeline ``stack`` over the ``stage`` axis (`PipelineSpec`); its parameters
+            must be split over ``stage`` on their layer axis (a pp, pp_tp or pp_fsdp strategy).
+        stack: module path of the model's layer stack ("layers", "decoder/blocks"): a module
+            built by `models.layers.make_stacked` (or any whose class names ``layer_class``) that
+            the model calls once as ``self.blocks(h, *extras)``. spmdkit takes over that call to
+            pin activations between layers, apply ``remat`` and pipeline; None: no stack.
         check_batch: ``batch -> None``, raising for a host batch the model cannot take (token
             ids outside the vocabulary); `TrainProgram.shard_batch` calls it.
 
@@ -242,26 +230,34 @@ def compile_train_step(
         )
     dtype = COMPUTE_DTYPES[compute_dtype]
     wrap = layer_wrapper(remat, mesh)
-    remat_kw = takes_remat(loss_fn)  # a plain loss(model, batch) runs without the layer wrapper
+    # Without a stack, a loss with a remat= keyword applies the policy itself (the layer wrapper).
+    remat_kw = stack is None and takes_remat(loss_fn)
     check_batch_split(batch_shapes, dict(mesh.shape), accum_steps)
     if clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
 
     graphdef, params = abstract_params(lambda: make_model(nnx.Rngs(0)))
+    if pipeline is not None and stack is None:
+        raise StepConfigError(
+            f"{fn}(pipeline={pipeline.schedule!r}): a pipeline splits the model's layer stack "
+            f"into stages; name it with stack='<module path>' (e.g. stack='layers')"
+        )
+    if stack is not None:
+        depth = n_layers(find_stack(nnx.merge(graphdef, params), stack))
     schedule = None
     if pipeline is not None:
-        n_layers = jax.tree.leaves(params["layers"])[0].shape[0]
         batch = next(iter(batch_shapes.values())).shape[0]
-        schedule = check_pipeline(pipeline, mesh, axis_map, n_layers, batch // accum_steps)
+        schedule = check_pipeline(pipeline, mesh, depth, batch // accum_steps)
     param_shardings, unused_rules = resolve_reporting(rules, axis_map, params, mesh, fn=fn)
-    if pipeline is None:
-        _check_no_stage_split(param_shardings, mesh)
-    if remat != "none" and not takes_remat(loss_fn):
+    if pipeline is not None:
+        check_stack_staged(param_shardings, stack, mesh)
+    else:
+        check_no_stage_split(param_shardings, mesh)
+    if remat != "none" and stack is None and not remat_kw:
         raise StepConfigError(
-            f"{fn}(remat={remat!r}): loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} takes no "
-            f"remat= keyword, so the policy could not reach its layers and would silently do "
-            f"nothing; give the loss a remat=None parameter and apply it to the layer stack (see "
-            f"models.layers.scan_layers), or use remat='none'"
+            f"{fn}(remat={remat!r}): spmdkit applies a remat policy to each layer of the model's "
+            f"layer stack, and no stack was named; pass stack='<module path>' (e.g. "
+            f"stack='layers'), or use remat='none'"
         )
     opt_state = jax.eval_shape(optimizer.init, params)
     abstract_state = {
@@ -289,11 +285,29 @@ def compile_train_step(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
         )
         model = nnx.merge(graphdef, cast)
-        if schedule is None:
+        if schedule is not None:
+            return pipelined_loss(
+                loss_fn, model, micro, stack, schedule, mesh, remat_wrapper(remat)
+            )
+        if stack is None:
             return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)
-        return pipelined_loss(model, micro, pipeline, schedule, mesh, remat_wrapper(remat))
+        with taken_over(model, stack, lambda call: scan_call(call, wrap)) as calls:
+            value = loss_fn(model, micro)
+        if not calls:
+            raise StackError(
+                f"the loss never called the stack {stack!r}; spmdkit applies remat and pipelines "
+                f"through that call, so the model must apply its layers as "
+                f"self.{stack.rsplit('/', 1)[-1]}(h, ...) (not with a function of the module)"
+            )
+        return value
 
     grad_fn = jax.value_and_grad(micro_loss)
+    if stack is not None:
+        # Trace once now (abstractly: nothing runs or compiles) so that a model the stack seam
+        # cannot take is refused here, by name, not at the first step.
+        micro = {k: jax.ShapeDtypeStruct((v.shape[0] // accum_steps, *v.shape[1:]), v.dtype)
+                 for k, v in batch_shapes.items()}  # fmt: skip
+        jax.eval_shape(micro_loss, params, micro)
 
     def accumulate(p: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         if accum_steps == 1:

@@ -45,7 +45,7 @@ ROWS = [
     ("plan --aot -1", r"--aot: -1 must be >= 0"),
     ("plan --size 13b", r"--size '13b': unknown llama size; sizes: tiny, maxtext-tiny, 1b, 7b"),
     ("plan --model gpt2 --size 7b", r"--size '7b': unknown gpt2 size; sizes: tiny, 124m"),
-    ("plan --model cnn", r"--model: invalid choice: 'cnn'"),
+    ("plan --model cnn", r"--model 'cnn': plan covers the language-model families llama, gpt2"),
     ("plan --memory 80i", r"--memory '80i': cannot read '80i' as a size"),
     ("plan --memory 0", r"--memory '0': give the memory per device > 0, e.g. --memory 80GB"),
     (

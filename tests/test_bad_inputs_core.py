@@ -203,7 +203,8 @@ API = [
         "step-remat-with-a-plain-loss",
         lambda: step(loss_fn=lambda model, batch: llama.loss(model, batch), remat="full"),
         sharding.StepConfigError,
-        r"remat='full'\): loss_fn '<lambda>' takes no remat= keyword.*silently do nothing",
+        r"remat='full'\): spmdkit applies a remat policy to each layer.*no stack was named.*"
+        r"stack='layers'",
     ),
     (
         "bytes-unit",
@@ -252,7 +253,7 @@ CLI = [
     (
         "explain-unknown-size",
         ["explain", "--size", "huge"],
-        r"unknown llama size 'huge'; known sizes: 'tiny'",
+        r"--size 'huge': unknown llama size; sizes: tiny, maxtext-tiny",
     ),
     (
         "explain-mesh-vs-devices",
@@ -260,7 +261,12 @@ CLI = [
         r"multiplies to 3 devices but 8",
     ),
     ("explain-unknown-strategy", ["explain", "--strategy", "zero3"], r"invalid choice: 'zero3'"),
-    ("explain-unknown-model", ["explain", "--model", "bert"], r"invalid choice: 'bert'"),
+    (
+        "explain-unknown-model",
+        ["explain", "--model", "bert"],
+        r"--model 'bert': not a shipped model \(cnn, gpt2, llama, mlp\) and not "
+        r"'package.module:attribute'",
+    ),
 ]
 
 

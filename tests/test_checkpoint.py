@@ -154,10 +154,10 @@ def _program(strategy: str, mesh: str, family: str = "llama"):
 
     fam = models.get_family(family)
     cfg = fam.config("tiny")
-    pipe = PipelineSpec("gpipe", 2, 1, fam.INPUT, fam.loss_from_logits) if "stage" in mesh else None
+    pipe = PipelineSpec("gpipe", 2, 1) if "stage" in mesh else None
     return compile_train_step(
         lambda rngs: fam.Model(cfg, rngs=rngs), fam.loss, optax.adamw(lambda count: 1e-3),
-        *preset(family, strategy), make_mesh(mesh), fam.batch_shapes(cfg, 16, 32), pipeline=pipe,
+        *preset(family, strategy), make_mesh(mesh), fam.batch_shapes(cfg, 16, 32), pipeline=pipe, stack="layers",
         clip_norm=1.0,  # spmdkit train: chain(clip, adamw(schedule)) shapes the state so
     )  # fmt: skip
 

@@ -38,8 +38,7 @@ IDS = [f"{fam}-{strategy}{'-' + sched if sched else ''}" for fam, strategy, sche
 def _pipeline(family: str, schedule: str | None) -> PipelineSpec | None:
     if schedule is None:
         return None
-    fam = models.get_family(family)
-    return PipelineSpec(schedule, MICROBATCHES, 1, fam.INPUT, fam.loss_from_logits)
+    return PipelineSpec(schedule, MICROBATCHES, 1)
 
 
 @cache
@@ -55,6 +54,7 @@ def measured(family: str, strategy: str, schedule: str | None):
         make_mesh(EXAMPLE_MESHES_8[strategy]),
         fam.batch_shapes(cfg, BATCH, SEQ),
         pipeline=_pipeline(family, schedule),
+        stack="layers",
     )
     return prog, prog.report()
 

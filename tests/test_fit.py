@@ -149,6 +149,6 @@ def test_fit_refuses_bad_settings_before_any_work(changes, error, match, tmp_pat
         fit(models.llama, dataclasses.replace(SMALL, **changes))
 
 
-def test_fit_takes_only_language_models(unchanged):
-    with unchanged(), pytest.raises(InvalidSettingError, match=r"trains language models"):
-        fit(models.cnn, SMALL)
+def test_fit_takes_a_workload_or_a_family(unchanged):
+    with unchanged(), pytest.raises(InvalidSettingError, match=r"trains a sharding.Workload"):
+        fit(models.layers, SMALL)

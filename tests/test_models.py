@@ -17,7 +17,7 @@ from flax import nnx
 
 import models
 from models import FAMILIES, build_config, get_family, gpt2, llama, scan_layers
-from models.layers import causal_attention, rope
+from models.layers import causal_attention, layer, rope
 
 NAMES = ["llama", "gpt2", "mlp", "cnn"]
 LMS = ["llama", "gpt2"]
@@ -142,7 +142,7 @@ def forward(name: str):
         first_half = nnx.merge(layer_def, jax.tree.map(lambda a: a[: L // 2], layer_state))
         h = scan_layers(first_half, m.embed(x))
         for i in range(L // 2, L):
-            h = nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], layer_state))(h)
+            h = layer(m.layers, i)(h)
         return logits, m.head(h), fam.loss_from_logits(logits, batch)
 
     return run

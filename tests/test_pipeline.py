@@ -28,7 +28,7 @@ def program(strategy, mesh, schedule=None, m=4, r=1, batch=16, family=llama, tx=
     cfg = family.config("tiny")
     spec = None
     if schedule is not None:
-        spec = PipelineSpec(schedule, m, r, family.INPUT, family.loss_from_logits)
+        spec = PipelineSpec(schedule, m, r)
     return compile_train_step(
         lambda rngs: family.Model(cfg, rngs=rngs),
         family.loss,
@@ -37,6 +37,7 @@ def program(strategy, mesh, schedule=None, m=4, r=1, batch=16, family=llama, tx=
         make_mesh(mesh, devices),
         family.batch_shapes(cfg, batch, SEQ),
         pipeline=spec,
+        stack="layers",
     )
 
 
@@ -174,13 +175,16 @@ def test_pipeline_errors_before_compiling():
         program("pp", "stage=4,data=2", "1f1b", 2)
     with pytest.raises(LayerCountError, match=r"n_layers=4"):
         program("pp", "stage=4,data=2", "circular", 4, 2)
-    with pytest.raises(PipelineConfigError, match=r"maps 'layers' to None.*pp, pp_tp, pp_fsdp"):
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"stack parameter layers/.* layer axis is not split over 'stage'.*pp, pp_tp, pp_fsdp",
+    ):
         program("fsdp_tp", "stage=2,fsdp=2,tensor=2", "gpipe", 4)
 
 
 def test_pipeline_needs_a_stage_axis():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    spec = PipelineSpec("gpipe", 4, 1, "inputs", llama.loss_from_logits)
+    spec = PipelineSpec("gpipe", 4, 1)
     with pytest.raises(
         PipelineConfigError, match=r"needs a 'stage' mesh axis; this mesh has data=8"
     ):
@@ -192,4 +196,5 @@ def test_pipeline_needs_a_stage_axis():
             mesh,
             llama.batch_shapes(CFG, 16, SEQ),
             pipeline=spec,
+            stack="layers",
         )

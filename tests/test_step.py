@@ -37,7 +37,7 @@ def program(family: str, strategy: str, mesh_spec: str, *, batch=BATCH, accum=1,
     mesh = make_mesh(mesh_spec, devices)
     # A pp preset splits the layer stack over 'stage': it runs as a pipeline (GPipe, the default
     # schedule), never as an ordinary step with split weights (compile_train_step refuses that).
-    pipeline = pipeline_for(fam, strategy, dict(mesh.shape)["stage"])
+    pipeline = pipeline_for(strategy, dict(mesh.shape)["stage"])
     return compile_train_step(
         lambda rngs: fam.Model(cfg, rngs=rngs),
         fam.loss,
@@ -47,6 +47,7 @@ def program(family: str, strategy: str, mesh_spec: str, *, batch=BATCH, accum=1,
         fam.batch_shapes(cfg, batch, seq),
         accum_steps=accum,
         pipeline=pipeline,
+        stack="layers",
     )
 
 

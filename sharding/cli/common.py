@@ -10,7 +10,7 @@ from typing import NoReturn
 from rich.console import Console
 
 import models
-from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
+from partition_rules import STRATEGIES
 from sharding import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
 from sharding.pipeline import SCHEDULES
 
@@ -55,15 +55,40 @@ def sizes_text(family: str) -> str:
 def add_model_args(
     p: argparse.ArgumentParser,
     *,
-    size: str | None = "tiny",
+    size: str | None = None,
     families: tuple[str, ...] | None = None,
     size_help: str = "",
 ) -> None:
     families = tuple(families or sorted(models.FAMILIES))
     sizes = "; ".join(f"{f}: {sizes_text(f)}" for f in families)
     p.add_argument("--model", default="llama" if "llama" in families else families[0],
-                   choices=families, help="model family")  # fmt: skip
-    p.add_argument("--size", default=size, help=f"named size of the family ({sizes}){size_help}")
+                   metavar="NAME|MODULE:ATTR",
+                   help=f"a shipped model ({', '.join(families)}), or your own: "
+                   "package.module:attribute or path/to/file.py:attribute naming a "
+                   "sharding.Workload or a function returning one")  # fmt: skip
+    p.add_argument("--size", default=size,
+                   help=f"named size of a shipped model ({sizes}){size_help or '; when unset: tiny'}"
+                   "; for your own model, passed as size= to its function")  # fmt: skip
+
+
+def workload_from_args(args: argparse.Namespace, *, families: tuple[str, ...] | None = None):
+    """The `sharding.Workload` that ``--model`` / ``--size`` name (shipped or the user's)."""
+    from sharding import WorkloadError, load_workload
+
+    shipped = {f: models.get_family(f) for f in (families or models.FAMILIES)}
+    if args.model in models.FAMILIES and args.model not in shipped:
+        raise WorkloadError(
+            f"--model {args.model}: this command takes {', '.join(shipped)} among the shipped "
+            f"models, or your own as module:attribute"
+        )
+    if args.model in shipped:
+        family, size = shipped[args.model], args.size or "tiny"
+        if size not in family.SIZES:
+            raise WorkloadError(
+                f"--size {size!r}: unknown {args.model} size; sizes: {', '.join(family.SIZES)}"
+            )
+        return load_workload(args.model, size=size, shipped=shipped)
+    return load_workload(args.model, size=args.size, shipped=shipped)
 
 
 def add_strategy_args(p: argparse.ArgumentParser, *, default: str = "fsdp_tp") -> None:
@@ -79,35 +104,6 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per step (when unset: 2 x stages)")  # fmt: skip
     g.add_argument("--repeats", type=positive_int,
                    help="circular: layer blocks per stage (when unset: 2)")  # fmt: skip
-
-
-def pipeline_spec(args: argparse.Namespace, family, stages: int):
-    """The `PipelineSpec` the arguments ask for, or None for a non-pipeline strategy."""
-    from sharding.pipeline import PipelineSpec
-
-    asked = [f"--{k}" for k in ("schedule", "microbatches", "repeats") if getattr(args, k)]
-    if args.strategy not in PIPELINE_STRATEGIES:
-        if asked:
-            raise ValueError(
-                f"{', '.join(asked)} configure a pipeline, but strategy {args.strategy!r} does not "
-                f"pipeline; use one of {sorted(PIPELINE_STRATEGIES)} with a 'stage' mesh axis"
-            )
-        return None
-    if stages < 2:
-        raise ValueError(
-            f"strategy {args.strategy!r} pipelines the layer stack over the 'stage' mesh axis, "
-            f"but --mesh {args.mesh!r} has stage={stages}; add stage=N with N >= 2, "
-            f"e.g. 'stage=2,data=4'"
-        )
-    schedule = args.schedule or "gpipe"
-    repeats = args.repeats or (2 if schedule == "circular" else 1)
-    return PipelineSpec(
-        schedule=schedule,
-        microbatches=args.microbatches or 2 * stages,
-        repeats=repeats,
-        input_key=family.INPUT,
-        loss_from_logits=family.loss_from_logits,
-    )
 
 
 def _whole_at_least(low: int):

@@ -18,6 +18,7 @@ from sharding.cli.common import (
     non_negative_int,
     positive_int,
     setup_devices,
+    workload_from_args,
 )
 
 
@@ -64,17 +65,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import models
     from sharding.comparison import CompareError, check_output, compare
 
     check_output(args.out, overwrite=args.overwrite)  # before anything is measured
-    setup_devices(args.mesh, args.devices)
+    setup_devices(args.mesh, args.devices)  # before the user's module can touch jax's backend
+    work = workload_from_args(args)
     out = console()
     with _progress(out) as bars:
         try:
             result = compare(
-                models.get_family(args.model),
-                size=args.size,
+                work,
                 batch=args.batch,
                 seq=args.seq,
                 dtype=args.dtype,

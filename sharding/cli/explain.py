@@ -10,8 +10,6 @@ import argparse
 
 from flax import nnx
 
-import models
-from partition_rules import preset
 from partition_rules.strategies import EXAMPLE_MESHES_8
 from sharding import MeshSpec, MeshSpecError, explain
 from sharding.cli.common import (
@@ -20,6 +18,7 @@ from sharding.cli.common import (
     add_model_args,
     add_strategy_args,
     console,
+    workload_from_args,
 )
 
 
@@ -27,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(
         sub, "explain", help="show how a preset places every parameter on a mesh", doc=__doc__,
         examples=["", "--model llama --size 70b --mesh fsdp=64,tensor=8 --strategy fsdp_tp",
+                  "--model my_models.py:workload --strategy fsdp --mesh fsdp=8",
                   "--model gpt2 --size 124m --mesh data=-1,tensor=4 --devices 16 --json"],
     )  # fmt: skip
     add_model_args(p)
@@ -44,13 +44,13 @@ def run(args: argparse.Namespace) -> int:
             f"(explain needs no real devices)"
         )
     spec = spec.resolve(args.devices if args.devices is not None else spec.size)
-    family = models.get_family(args.model)
-    cfg = models.build_config(args.model, args.size)
+    work = workload_from_args(args)
     ex = explain(
-        *preset(args.model, args.strategy),
-        lambda: family.Model(cfg, rngs=nnx.Rngs(0)),
+        work.rules,
+        work.axis_map(args.strategy),
+        lambda: work.model(nnx.Rngs(0)),
         spec,
-        title=f"{args.model} {args.size} / {args.strategy}",
+        title=f"{work.name} / {args.strategy}",
     )
     if args.json:
         print(ex.to_json())

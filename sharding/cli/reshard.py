@@ -29,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", required=True, help="target mesh spec, e.g. fsdp=2,tensor=4")
     p.add_argument("--strategy", required=True, choices=list(STRATEGIES),
                    help="target partition preset")  # fmt: skip
+    p.add_argument("--model", metavar="MODULE:ATTR",
+                   help="for a checkpoint of your own model: package.module:attribute or "
+                   "path/to/file.py:attribute naming its sharding.Workload (shipped models are "
+                   "found by the name the checkpoint records)")  # fmt: skip
     p.add_argument("--step", type=non_negative_int,
                    help="step to rewrite (when unset: the latest)")  # fmt: skip
     p.add_argument("--overwrite", action="store_true",
@@ -44,9 +48,11 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything below imports JAX; the device count is fixed by now.
     import models
+    from sharding import load_workload
     from sharding.training import reshard
 
-    result = reshard(args.src, args.dst, mesh=spec, strategy=args.strategy,
+    model = None if args.model is None else load_workload(args.model)
+    result = reshard(args.src, args.dst, mesh=spec, strategy=args.strategy, model=model,
                      families=models.FAMILIES, step=args.step, overwrite=args.overwrite)  # fmt: skip
     console().print(result.summary(), highlight=False, soft_wrap=True)
     return 0

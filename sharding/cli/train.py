@@ -23,9 +23,9 @@ from sharding.cli.common import (
     non_negative_int,
     positive_int,
     setup_devices,
+    workload_from_args,
 )
 from sharding.cli.multihost import add_distributed_args, join_from_args
-from sharding.costmodel import LM_FAMILIES  # the families train takes: the language models
 from sharding.training import ELASTIC_POLICIES, NonFiniteLossError, TrainConfig, fit
 
 _FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
@@ -36,8 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--steps 50 --metrics metrics.jsonl",
         "--mesh data=2,fsdp=2,tensor=2 --strategy fsdp_tp --checkpoint-dir ck --save-every 25",
         "--mesh fsdp=8 --strategy fsdp --checkpoint-dir ck --resume --steps 100",
+        "--model my_models.py:workload --strategy pp --mesh stage=2,data=4 --schedule 1f1b",
     ])  # fmt: skip
-    add_model_args(p, families=LM_FAMILIES)
+    add_model_args(p)
     add_strategy_args(p)
     add_pipeline_args(p)
     add_distributed_args(p)
@@ -98,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
     import models
 
-    config = TrainConfig(**{**{k: getattr(args, k) for k in _FIELDS}, "mesh": str(spec)})
+    shipped = args.model in models.FAMILIES
+    model = models.get_family(args.model) if shipped else workload_from_args(args)
+    fields = {k: getattr(args, k) for k in _FIELDS if k not in ("size", "mesh")}
+    config = TrainConfig(**fields, size=args.size or "tiny", mesh=str(spec))
     out = console()
     with _progress(out) as progress:
         task = None
@@ -113,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
             progress.update(task, advance=1, **shown)
 
         try:
-            result = fit(models.get_family(args.model), config, on_step=on_step,
-                         on_note=out.print)  # fmt: skip
+            result = fit(model, config, on_step=on_step, on_note=out.print)
         except NonFiniteLossError as e:  # the input was fine; the run diverged
             progress.stop()
             print(f"spmdkit train: stopped: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Group
 
 from sharding._units import SizeFormatError, parse_bytes
+from sharding._workload import Workload
 from sharding.comparison._errors import (
     CompareArgumentError,
     CompareError,
@@ -156,9 +157,9 @@ def check_output(out: str | Path, *, overwrite: bool = False) -> Path:
 
 
 def compare(
-    family: Any,
+    model: Any,
     *,
-    size: str = "tiny",
+    size: str | None = None,
     cfg: Any = None,
     batch: int = 32,
     seq: int | None = None,
@@ -180,10 +181,11 @@ def compare(
     that fits ``memory_budget``, explained with the measured figures.
 
     Args:
-        family: a language-model family module (``models.llama``, ``models.gpt2``).
-        size, cfg: a named size of the family, or a Config (then ``size`` is ignored).
-        batch, seq: global batch (sequences or samples per step) and, for a language model,
-            the sequence length (default 128); None for a model without a sequence axis.
+        model: a `sharding.Workload` (your model), or a shipped family module
+            (``models.llama``, ``models.cnn``) at ``size`` (default tiny) or ``cfg``.
+        size, cfg: a named size of a family, or its Config (then ``size`` is ignored).
+        batch, seq: global batch (sequences or samples per step) and, for a model with a
+            sequence axis, the sequence length (default 128); None for a model without one.
         dtype: compute dtype, "float32" or "bfloat16".
         timed_steps, warmup_steps: steps timed per layout, and untimed steps before them.
         strategies: a subset of the presets (a comma list or a sequence; default: all).
@@ -208,28 +210,30 @@ def compare(
     """
     import jax
 
-    cfg, seq = _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps)
+    work = _workload(model, size, cfg)
+    seq = _check(work, batch, seq, dtype, timed_steps, warmup_steps)
     budget = None if memory_budget is None else _bytes(memory_budget)
     if peak_tflops is not None and not _positive(peak_tflops):
         raise CompareArgumentError(
             f"--peak-tflops {peak_tflops!r}: give the peak TFLOP/s of one device, a number > 0, "
             f"e.g. --peak-tflops 989 (H100 bfloat16); leave it out to use the datasheet"
         )
-    conf = CompareConfig(family.NAME, cfg.name, batch, seq, dtype, timed_steps, warmup_steps)
-    family.batch_shapes(cfg, batch, seq)
+    family, size = _names(work)
+    conf = CompareConfig(family, size, batch, seq, dtype, timed_steps, warmup_steps)
     devices = jax.devices()
-    todo = layouts(len(devices), cfg.n_layers, strategies=strategies, mesh=mesh)
+    depth = work.depth() or 0
+    todo = layouts(len(devices), depth, strategies=strategies, mesh=mesh)
     if not todo:  # e.g. pp_tp on 2 devices: say so before compiling anything
         names, on = ",".join(strategy_names(strategies)), f" on --mesh {mesh}" if mesh else ""
         raise CompareArgumentError(
             f"--strategies {names}: none of them has a layout on {len(devices)} devices for "
-            f"{cfg.n_layers} layers{on}; use more --devices, another --mesh, or other --strategies"
+            f"{depth} layers{on}; use more --devices, another --mesh, or other --strategies"
         )
     progress = on_progress or (lambda *a: None)
     peak = host_peak(devices, dtype=dtype, tflops=peak_tflops)
     started = time.perf_counter()
     progress(REFERENCE_TASK, 0, 1, None)
-    useful, unsplit = reference(family, cfg, conf)
+    useful, unsplit = reference(work, conf)
     progress(REFERENCE_TASK, 1, 1, None)
     results, skipped, placed = [], [], set()
     for cand in todo:
@@ -243,14 +247,14 @@ def compare(
 
         progress(task, 0, total, None)
         try:
-            results.append(measure(cand, family, cfg, conf, useful_flops=useful, peak=peak,
+            results.append(measure(cand, work, conf, useful_flops=useful, peak=peak,
                                    on_step=step))  # fmt: skip
             placed.add(cand.strategy)
         except ValueError as e:  # a strategy the model or mesh cannot take: say why
             skipped.append(Skipped(cand, f"{type(e).__name__}: {e}"))
             progress(task, done[0], total, "skipped")
     result = Comparison(
-        family.NAME, cfg.name, family.param_count(cfg), conf,
+        family, size, work.param_count(), conf,
         {"count": len(devices), "platform": devices[0].platform, "kind": devices[0].device_kind},
         peak, useful, unsplit, budget, todo, results, skipped, time.perf_counter() - started,
     )  # fmt: skip
@@ -267,24 +271,41 @@ def _batch_text(conf: CompareConfig) -> str:
     return f"{conf.batch} x {conf.seq} tokens" if conf.seq else f"{conf.batch} samples"
 
 
-def _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps) -> tuple[Any, Any]:
-    name = getattr(family, "NAME", None)
-    if name is None or not all(hasattr(family, a) for a in ("Model", "loss", "config", "SIZES")):
+def _workload(model: Any, size: str | None, cfg: Any) -> Workload:
+    if isinstance(model, Workload):
+        if size is not None or cfg is not None:
+            raise CompareArgumentError(
+                f"--size/cfg configure a shipped family; {model.name!r} is a Workload: build it "
+                f"at the size you want instead"
+            )
+        return model
+    if not all(hasattr(model, a) for a in ("NAME", "Model", "loss", "config", "SIZES")):
         raise CompareArgumentError(
-            f"--model {family!r}: compare takes a model family module (NAME, Model, loss, "
-            f"config, SIZES, batch_shapes, make_batch), e.g. models.llama or models.cnn"
+            f"--model {model!r}: compare takes a sharding.Workload or a model family module "
+            f"(e.g. models.llama, models.cnn)"
         )
     if cfg is None:
-        if size not in family.SIZES:
+        if (size or "tiny") not in model.SIZES:
             raise CompareArgumentError(
-                f"--size {size!r}: unknown {name} size; sizes: {', '.join(family.SIZES)}"
+                f"--size {size!r}: unknown {model.NAME} size; sizes: {', '.join(model.SIZES)}"
             )
-        cfg = family.config(size)
-    sequences = hasattr(cfg, "max_seq_len")
+        cfg = model.config(size or "tiny")
+    return Workload.from_family(model, cfg)
+
+
+def _names(work: Workload) -> tuple[str, str]:
+    """(model, size) for tables and JSON: the family and its size, or the workload's name."""
+    if work.family is not None:
+        return work.family.NAME, work.config.name
+    return work.name, "-"
+
+
+def _check(work: Workload, batch, seq, dtype, timed_steps, warmup_steps) -> int | None:
+    sequences = work.seq is not None
     if not sequences and seq is not None:
         raise CompareArgumentError(
-            f"--seq {seq!r}: {name} {cfg.name} has no sequence axis (its batch is "
-            f"{', '.join(family.batch_shapes(cfg, 1))}); drop --seq"
+            f"--seq {seq!r}: {' '.join(_names(work)).rstrip(' -')} has no sequence axis (its batch is "
+            f"{', '.join(work.batch_shapes(1, None))}); drop --seq"
         )
     seq = (DEFAULT_SEQ if seq is None else seq) if sequences else None
     counts = (("--batch", batch, 1), ("--timed-steps", timed_steps, 1),
@@ -292,14 +313,15 @@ def _check(family, size, cfg, batch, seq, dtype, timed_steps, warmup_steps) -> t
     for flag, value, low in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise CompareArgumentError(f"{flag} {value!r}: give a whole number >= {low}")
-    if sequences and seq > cfg.max_seq_len:
+    limit = getattr(work.config, "max_seq_len", None)
+    if sequences and limit is not None and seq > limit:
         raise CompareArgumentError(
-            f"--seq {seq}: {name} {cfg.name} holds at most {cfg.max_seq_len} positions; use "
-            f"--seq {cfg.max_seq_len} or less"
+            f"--seq {seq}: {' '.join(_names(work))} holds at most {limit} positions; use --seq "
+            f"{limit} or less"
         )
     if dtype not in DTYPES:
         raise CompareArgumentError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    return cfg, seq
+    return seq
 
 
 def _positive(value: Any) -> bool:

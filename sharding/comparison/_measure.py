@@ -17,6 +17,7 @@ import jax
 import optax
 
 from sharding._init import state_bytes
+from sharding._workload import Workload
 from sharding.costmodel import Layout
 from sharding.inspection import Peak, mfu
 
@@ -84,32 +85,29 @@ class Result:
         return data
 
 
-def build(
-    cand: Layout, family: Any, cfg: Any, conf: CompareConfig, devices: list | None = None
-) -> Any:
+def build(cand: Layout, work: Workload, conf: CompareConfig, devices: list | None = None) -> Any:
     """The `TrainProgram` of ``cand`` under ``conf`` (AdamW), on ``devices`` (default: all).
 
     Nothing compiles until ``program.compiled`` (or ``report()``, ``step``) is first used, so
     ``program.abstract_state`` can be sized for any model first.
     """
-    return cand.program(family, cfg, batch=conf.batch, seq=conf.seq, optimizer=optax.adamw(conf.lr),
+    return cand.program(work, batch=conf.batch, seq=conf.seq, optimizer=optax.adamw(conf.lr),
                         dtype=conf.dtype, remat=conf.remat, devices=devices)  # fmt: skip
 
 
-def reference(family: Any, cfg: Any, conf: CompareConfig) -> tuple[float, int]:
+def reference(work: Workload, conf: CompareConfig) -> tuple[float, int]:
     """The unsplit step, compiled for one device: ``(matmul FLOPs, train-state bytes)``.
 
     The FLOPs (forward and backward, no recompute) are the useful work every candidate does, the
     numerator of MFU for all alike; the bytes are what one device would hold without any split.
     """
-    program = build(Layout("dp", "data=1"), family, cfg, conf, jax.devices()[:1])
+    program = build(Layout("dp", "data=1"), work, conf, jax.devices()[:1])
     return program.report().matmul_flops, state_bytes(program.abstract_state)
 
 
 def measure(
     cand: Layout,
-    family: Any,
-    cfg: Any,
+    work: Workload,
     conf: CompareConfig,
     *,
     useful_flops: float | None = None,
@@ -119,11 +117,11 @@ def measure(
     """Compile ``cand``, run ``conf.warmup_steps`` steps, then time ``conf.timed_steps`` steps one
     by one (``on_step`` is called after each)."""
     devices = jax.devices()
-    program = build(cand, family, cfg, conf, devices)
+    program = build(cand, work, conf, devices)
     program.compiled  # noqa: B018 - compile now, timed into program.compile_time_s
     report = program.report()
     state = program.init(0)
-    batch = program.shard_batch(family.make_batch(cfg, conf.batch, conf.seq))
+    batch = program.shard_batch(work.synthetic_batch(conf.batch, conf.seq))
     times, losses = [], []
     for i in range(conf.warmup_steps + conf.timed_steps):
         start = time.perf_counter()

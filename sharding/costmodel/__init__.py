@@ -28,6 +28,17 @@ from sharding.costmodel._search import (
     comm_seconds,
     compile_candidate,
 )
+from sharding.costmodel._steptime import (
+    CollectiveTime,
+    CollectiveWork,
+    StepTime,
+    StepTimeError,
+    StepWork,
+    ring_factor,
+    ring_hops,
+    step_time,
+)
+from sharding.costmodel._stepwork import work_from_prediction, work_from_report
 from sharding.costmodel._traffic import Traffic
 
 __all__ = [
@@ -35,6 +46,8 @@ __all__ = [
     "LM_FAMILIES",
     "ORDER",
     "PROFILES",
+    "CollectiveTime",
+    "CollectiveWork",
     "CostModelError",
     "DeviceProfile",
     "Estimate",
@@ -44,6 +57,9 @@ __all__ = [
     "PlanError",
     "PlanResult",
     "Prediction",
+    "StepTime",
+    "StepTimeError",
+    "StepWork",
     "Traffic",
     "UnknownStrategyError",
     "candidates",
@@ -53,5 +69,10 @@ __all__ = [
     "meshes",
     "plan",
     "predict",
+    "ring_factor",
+    "ring_hops",
+    "step_time",
     "strategy_names",
+    "work_from_prediction",
+    "work_from_report",
 ]

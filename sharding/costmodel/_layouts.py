@@ -59,39 +59,38 @@ class Layout:
         """Every mesh axis' size, in canonical order (stage, data, fsdp, tensor)."""
         return MeshSpec.of(self.mesh).sizes
 
-    def pipeline(self, family: Any) -> PipelineSpec | None:
-        """The `PipelineSpec` of a pipeline layout for ``family``, or None."""
+    def pipeline(self) -> PipelineSpec | None:
+        """The `PipelineSpec` of a pipeline layout, or None."""
         if self.schedule is None:
             return None
-        return pipeline_for(family, self.strategy, self.sizes["stage"], schedule=self.schedule,
+        return pipeline_for(self.strategy, self.sizes["stage"], schedule=self.schedule,
                             microbatches=self.microbatches, repeats=self.repeats)  # fmt: skip
 
     def program(
         self,
-        family: Any,
-        cfg: Any,
+        workload: Any,
         *,
         batch: int,
-        seq: int,
+        seq: int | None,
         optimizer: Any,
         dtype: str = "float32",
         remat: str = "none",
         devices: list | None = None,
     ) -> Any:
         """The `TrainProgram` of this layout on ``devices`` (default: all), by the one recipe
-        `sharding.build_program` (the family's preset rules under this strategy).
+        `sharding.build_program` (the workload's rules under this strategy).
 
         Nothing compiles until ``program.compiled`` (or ``report()``, ``step``) is first used,
         so ``program.abstract_state`` can be sized for any model first.
 
-        Example (with ``llama`` the model family module ``models.llama``):
+        Example (with ``work`` a `sharding.Workload`):
             >>> import optax
             >>> program = Layout("fsdp", "fsdp=8").program(  # doctest: +SKIP
-            ...     llama, llama.config("tiny"), batch=16, seq=32, optimizer=optax.adamw(1e-3))
+            ...     work, batch=16, seq=32, optimizer=optax.adamw(1e-3))
         """
         piped = self.schedule is not None
         return build_program(
-            family, cfg, self.strategy, self.mesh, batch=batch, seq=seq, optimizer=optimizer,
+            workload, self.strategy, self.mesh, batch=batch, seq=seq, optimizer=optimizer,
             compute_dtype=dtype, remat=remat, schedule=self.schedule,
             microbatches=self.microbatches, repeats=self.repeats if piped else None,
             devices=devices,

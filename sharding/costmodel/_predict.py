@@ -236,7 +236,7 @@ def setup(
     schedule = None
     if args is not None:  # the very checks compile_train_step makes
         mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-        schedule = check_pipeline(PipelineSpec(*args), mesh, axis_map, cfg.n_layers, batch)
+        schedule = check_pipeline(PipelineSpec(*args), mesh, cfg.n_layers, batch)
     placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
     return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
                  classify(placements, sizes), schedule, remat)  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any
 from sharding._mesh import AXES
 from sharding._resolve import RuleError
 from sharding._units import fmt_bytes
+from sharding._workload import Workload
 from sharding.costmodel._layouts import Layout, layouts, strategy_names
 from sharding.costmodel._predict import CostModelError, Prediction, predict
 from sharding.pipeline import PipelineConfigError, ScheduleError
@@ -197,7 +198,8 @@ def compile_candidate(candidate: Estimate, family: Any, cfg: Any) -> Estimate:
 
     p = candidate.prediction
     tx = optax.adamw(1e-4) if p.optimizer in ("adamw", "adam") else optax.sgd(1e-3)
-    program = candidate.layout.program(family, cfg, batch=p.batch, seq=p.seq, optimizer=tx,
+    work = Workload.from_family(family, cfg)
+    program = candidate.layout.program(work, batch=p.batch, seq=p.seq, optimizer=tx,
                                        dtype=p.dtype, remat=p.remat)  # fmt: skip
     report = program.report()
     if report.memory is not None:

@@ -46,32 +46,41 @@ def _tables(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def one_f_one_b(
-    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_fn: Callable[[Any, jax.Array, list], jax.Array],
     head_loss: Callable[[Any, jax.Array, Any], jax.Array],
     layers: Any,
     rest: Any,
     h_m: jax.Array,
+    extras_m: list[jax.Array],
     batch_m: Any,
     *,
     mesh: jshard.Mesh,
     schedule: Schedule,
 ) -> jax.Array:
-    """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest` and `h_m`.
+    """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest`, `h_m` and the
+    floating-point `extras_m`.
 
     Args:
-        stage_fn: ``(stage_layers, x) -> y``: one stage's layers ([L/p, ...] leaves).
-        head_loss: ``(rest, y, batch_i) -> loss of micro-batch i`` (head + loss, last stage).
+        stage_fn: ``(stage_layers, x, extras_i) -> y``: one stage's layers ([L/p, ...] leaves).
+        head_loss: ``(rest, y, batch_i) -> loss of micro-batch i`` (what follows the stack).
         layers: the stacked layers viewed as ``[p, L/p, ...]``, sharded over ``stage``.
         rest: every other parameter (head, norms, embeddings), replicated over ``stage``.
-        h_m: embedded micro-batches ``[m, b, ...]``; batch_m: the batch as ``[m, b, ...]``.
+        h_m: the stack's input as micro-batches ``[m, b, ...]``; extras_m: its extra inputs,
+            each ``[m, b, ...]``; batch_m: the batch as ``[m, b, ...]``.
     """
+    floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
+    fixed = [x for x, f in zip(extras_m, floats, strict=True) if not f]
+
+    def merged(fex: list) -> list:
+        it_f, it_x = iter(fex), iter(fixed)
+        return [next(it_f) if f else next(it_x) for f in floats]
 
     @jax.custom_vjp
-    def loss(layers: Any, rest: Any, h_m: jax.Array) -> jax.Array:
-        return _run(layers, rest, h_m)[0]
+    def loss(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> jax.Array:
+        return _run(layers, rest, h_m, fex)[0]
 
-    def fwd(layers: Any, rest: Any, h_m: jax.Array) -> tuple[jax.Array, tuple]:
-        value, grads = _run(layers, rest, h_m)
+    def fwd(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> tuple[jax.Array, tuple]:
+        value, grads = _run(layers, rest, h_m, fex)
         return value, grads
 
     def bwd(grads: tuple, g: jax.Array) -> tuple:
@@ -79,28 +88,33 @@ def one_f_one_b(
 
     loss.defvjp(fwd, bwd)
 
-    def _run(layers: Any, rest: Any, h_m: jax.Array) -> tuple[jax.Array, tuple]:
+    def _run(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> tuple[jax.Array, tuple]:
         layer_specs = jax.tree.map(lambda _: P("stage"), layers)
         rest_specs = jax.tree.map(lambda _: P(), rest)
         batch_specs = jax.tree.map(lambda _: P(None, "data"), batch_m)
+        micro = P(None, "data")
+        extra_specs = [micro] * len(extras_m)
+        fex_specs = [micro] * len(fex)
         return jax.shard_map(
-            functools.partial(_pipeline_body, stage_fn, head_loss, schedule),
+            functools.partial(_pipeline_body, stage_fn, head_loss, schedule, floats),
             mesh=mesh,
-            in_specs=(layer_specs, rest_specs, P(None, "data"), batch_specs),
-            out_specs=(P(), (layer_specs, rest_specs, P(None, "data"))),
+            in_specs=(layer_specs, rest_specs, micro, extra_specs, batch_specs),
+            out_specs=(P(), (layer_specs, rest_specs, micro, fex_specs)),
             axis_names={"stage", "data"},
-        )(layers, rest, h_m, batch_m)
+        )(layers, rest, h_m, merged(fex), batch_m)
 
-    return loss(layers, rest, h_m)
+    return loss(layers, rest, h_m, [x for x, f in zip(extras_m, floats, strict=True) if f])
 
 
 def _pipeline_body(
     stage_fn: Callable,
     head_loss: Callable,
     schedule: Schedule,
+    floats: list[bool],
     layers: Any,
     rest: Any,
     h_m: jax.Array,
+    extras_m: list,
     batch_m: Any,
 ) -> tuple[jax.Array, tuple]:
     p, m = schedule.stages, schedule.microbatches
@@ -112,32 +126,47 @@ def _pipeline_body(
     w = jax.tree.map(lambda a: lax.pcast(a[0], "data", to="varying"), layers)
     rest = jax.tree.map(lambda a: lax.pcast(a, ("stage", "data"), to="varying"), rest)
     h_m = lax.pcast(h_m, "stage", to="varying")
+    extras_m = [lax.pcast(a, "stage", to="varying") for a in extras_m]
     batch_m = jax.tree.map(lambda a: lax.pcast(a, "stage", to="varying"), batch_m)
     zero_x = jnp.zeros_like(h_m[0])
 
+    def pick(i: jax.Array) -> tuple[list, list]:
+        """Micro-batch i's extra inputs: (the differentiable ones, all of them in order)."""
+        ex = [a[i] for a in extras_m]
+        return [e for e, f in zip(ex, floats, strict=True) if f], ex
+
+    def with_floats(fex: list, ex: list) -> list:
+        it = iter(fex)
+        return [next(it) if f else e for e, f in zip(ex, floats, strict=True)]
+
     def forward(c: dict, i: jax.Array) -> tuple[dict, jax.Array, jax.Array]:
         x = jnp.where(sid == 0, h_m[i], c["slots"][i % p])
-        return c, stage_fn(w, x), zero_x
+        return c, stage_fn(w, x, pick(i)[1]), zero_x
 
     def backward(c: dict, i: jax.Array) -> tuple[dict, jax.Array, jax.Array]:
         x = jnp.where(sid == 0, h_m[i], c["slots"][i % p])
         batch_i = jax.tree.map(lambda a: a[i], batch_m)
+        fex, ex = pick(i)
+
+        def stage(w_: Any, x_: jax.Array, fex_: list) -> jax.Array:
+            return stage_fn(w_, x_, with_floats(fex_, ex))
 
         def through_head(_: None) -> tuple:
-            f = lambda w_, r_, x_: head_loss(r_, stage_fn(w_, x_), batch_i) / m  # noqa: E731
-            value, vjp = jax.vjp(f, w, rest, x)
+            f = lambda w_, r_, x_, e_: head_loss(r_, stage(w_, x_, e_), batch_i) / m  # noqa: E731
+            value, vjp = jax.vjp(f, w, rest, x, fex)
             return (value, *vjp(jnp.ones_like(value)))
 
         def inner(_: None) -> tuple:
-            _, vjp = jax.vjp(stage_fn, w, x)
-            dw, dx = vjp(c["cot_in"])
-            return c["loss"] * 0, dw, jax.tree.map(jnp.zeros_like, rest), dx
+            _, vjp = jax.vjp(stage, w, x, fex)
+            dw, dx, dfex = vjp(c["cot_in"])
+            return c["loss"] * 0, dw, jax.tree.map(jnp.zeros_like, rest), dx, dfex
 
-        value, dw, drest, dx = lax.cond(sid == last, through_head, inner, None)
+        value, dw, drest, dx, dfex = lax.cond(sid == last, through_head, inner, None)
         c = dict(c)
         c["gw"] = jax.tree.map(jnp.add, c["gw"], dw)
         c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
         c["dh"] = jnp.where(sid == 0, c["dh"].at[i].set(dx), c["dh"])
+        c["dex"] = [acc.at[i].add(d) for acc, d in zip(c["dex"], dfex, strict=True)]
         c["loss"] = c["loss"] + value.astype(jnp.float32)
         return c, zero_x, dx
 
@@ -161,6 +190,7 @@ def _pipeline_body(
         "gw": jax.tree.map(jnp.zeros_like, w),
         "grest": jax.tree.map(jnp.zeros_like, rest),
         "dh": jnp.zeros_like(h_m),
+        "dex": [jnp.zeros_like(a) for a, f in zip(extras_m, floats, strict=True) if f],
         "loss": lax.pcast(jnp.zeros((), jnp.float32), ("stage", "data"), to="varying"),
     }
     carry, _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
@@ -170,4 +200,6 @@ def _pipeline_body(
     gw = jax.tree.map(lambda g: lax.psum(g, "data")[None] / n_data, carry["gw"])
     grest = jax.tree.map(lambda g: lax.psum(g, ("stage", "data")) / n_data, carry["grest"])
     dh = lax.psum(carry["dh"], "stage") / n_data
-    return value, (gw, grest, dh)
+    # Every stage reads the extra inputs: their cotangents add up over stages.
+    dex = [lax.psum(g, "stage") / n_data for g in carry["dex"]]
+    return value, (gw, grest, dh, dex)

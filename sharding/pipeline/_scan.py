@@ -3,7 +3,8 @@ manual over ``stage`` only, so data, fsdp and tensor stay automatic inside each 
 
 The stacked layers ``[L, ...]`` (sharded over ``stage`` on the leading axis by the pp presets) are
 viewed as ``[p, L/p, ...]``: stage ``s`` owns a contiguous block of layers and no weight moves.
-Embedding, head and loss stay outside the pipelined region under GSPMD. Activations move to the
+The model's own code runs around the stack: the stack's call is taken over (`sharding._stack`),
+so everything before and after it, the user's loss included, is exactly the user's function. Activations move to the
 next stage with `lax.ppermute` between ticks; the tick tables come from `sharding.pipeline._schedule`.
 
 gpipe and circular differentiate through the scan (each stage's body rematerialised, so a stage
@@ -20,10 +21,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax import sharding as jshard
 
+from sharding._stack import StackCall, join_state, split_state, taken_over
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._onefoneb import one_f_one_b
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
@@ -40,24 +43,20 @@ class PipelineConfigError(PipelineError):
 class PipelineSpec:
     """How to pipeline: the schedule, micro-batches per step and (circular) repeats.
 
-    ``input_key`` names the batch entry the model's ``embed`` takes; ``loss_from_logits`` is the
-    family's ``(logits, batch) -> loss``, used per micro-batch by 1f1b at the last stage.
+    What is pipelined is the workload's layer stack (``compile_train_step(stack=...)``); the loss
+    is always the user's own function, run around the pipelined stack.
     """
 
     schedule: str = "gpipe"
     microbatches: int = 4
     repeats: int = 1
-    input_key: str = "inputs"
-    loss_from_logits: Callable[[jax.Array, dict], jax.Array] | None = None
 
     def table(self, stages: int) -> Schedule:
         return make_schedule(stages, self.microbatches, self.schedule, self.repeats)
 
 
-def check_pipeline(
-    spec: PipelineSpec, mesh: jshard.Mesh, axis_map: Any, n_layers: int, batch: int
-) -> Schedule:
-    """Every pipeline precondition, checked before tracing; returns the schedule table."""
+def check_pipeline(spec: PipelineSpec, mesh: jshard.Mesh, n_layers: int, batch: int) -> Schedule:
+    """Every pipeline precondition on sizes, checked before tracing; returns the schedule table."""
     sizes = dict(mesh.shape)
     if "stage" not in sizes:
         raise PipelineConfigError(
@@ -65,15 +64,8 @@ def check_pipeline(
             + ", ".join(f"{k}={v}" for k, v in sizes.items())
             + ". Build the mesh with sharding.make_mesh, e.g. 'stage=2,data=4'."
         )
-    stages = sizes["stage"]
-    layers_to = axis_map.get("layers")
-    if stages > 1 and layers_to != "stage":
-        raise PipelineConfigError(
-            f"mesh has stage={stages} but the preset maps 'layers' to {layers_to!r}, so the layer "
-            f"stack would not be split into stages; use a pipeline preset (pp, pp_tp, pp_fsdp)"
-        )
-    schedule = spec.table(stages)
-    check_layers(n_layers, stages, spec.repeats)
+    schedule = spec.table(sizes["stage"])
+    check_layers(n_layers, sizes["stage"], spec.repeats)
     split = sizes.get("data", 1) * sizes.get("fsdp", 1)
     if batch % spec.microbatches or (batch // spec.microbatches) % split:
         raise PipelineConfigError(
@@ -114,10 +106,15 @@ def _shift_next(x: Any, stages: int) -> Any:
     return lax.ppermute(x, "stage", [(s, (s + 1) % stages) for s in range(stages)])
 
 
+# A layer: (one layer's state, h, the micro-batch's extra inputs as a list of arrays) -> h.
+LayerFn = Callable[[Any, jax.Array, list], jax.Array]
+
+
 def scan_pipeline(
-    layers_gdef: nnx.GraphDef,
+    layer_fn: LayerFn,
     layers: Any,
     h_m: jax.Array,
+    extras_m: list[jax.Array] | None = None,
     *,
     mesh: jshard.Mesh,
     schedule: Schedule,
@@ -125,12 +122,15 @@ def scan_pipeline(
 ) -> jax.Array:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
-    Returns the last stage's outputs ``[m, b, ...]``. Differentiated by autodiff through the scan.
+    ``extras_m``: the stack's extra inputs, each ``[m, b, ...]``; micro-batch i's reach every
+    layer that computes micro-batch i. Returns the last stage's outputs ``[m, b, ...]``.
+    Differentiated by autodiff through the scan.
     """
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
     stage_layers = _stage_view(layers, p, r)
+    extras_m = list(extras_m or [])
 
-    def run(w: Any, h_m: jax.Array) -> jax.Array:
+    def run(w: Any, h_m: jax.Array, extras_m: list) -> jax.Array:
         # This stage's [r, L/(p r), ...]. Cast to data-varying here, outside the tick loop: the
         # transpose of this cast is the data-parallel gradient psum, which then runs once per
         # step instead of once per tick (XLA otherwise reduces each tick's weight gradient).
@@ -138,24 +138,25 @@ def scan_pipeline(
         sid = lax.axis_index("stage")
         # Hoisted so the transpose (a psum over stage of the input cotangent) runs once per step.
         h_m = lax.pcast(h_m, "stage", to="varying")
+        extras_m = [lax.pcast(e, "stage", to="varying") for e in extras_m]
 
         @jax.checkpoint  # a stage keeps only its input per micro-batch; backward recomputes
-        def apply(j: jax.Array, h: jax.Array) -> jax.Array:
+        def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
             block = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), w)
-            return _apply_layers(layers_gdef, block, h, wrap)
+            return apply_layers(layer_fn, block, h, extras, wrap)
 
         def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array]:
             arriving, circ = carry
             k = t - sid  # position of this stage's work in its repeat-major stream
             valid = (k >= 0) & (k < r * m)
-            i, j = k % m, jnp.clip(k // m, 0, r - 1)
+            i, j = jnp.clip(k % m, 0, m - 1), jnp.clip(k // m, 0, r - 1)
             # Stage 0 takes a fresh micro-batch in repeat 0 and its own last-stage output later.
-            fresh = h_m[jnp.clip(i, 0, m - 1)]
+            fresh = h_m[i]
             first = fresh if r == 1 else jnp.where(j == 0, fresh, circ[i])
             x = jnp.where(sid == 0, first, arriving)
             # Bubble ticks compute on zeros: no NaN, and no cotangent reaches a real value.
             x = jnp.where(valid, x, jnp.zeros_like(x))
-            y = apply(j, x)
+            y = apply(j, x, [e[i] for e in extras_m])
             sent = _shift_next(y, p)
             # Stage 0 keeps what the last stage finished (micro-batch i of repeat j) for repeat j+1.
             done = t - (p - 1)
@@ -169,11 +170,7 @@ def scan_pipeline(
 
         zeros = jnp.zeros_like(h_m[0])
         circ0 = jnp.zeros_like(h_m) if r > 1 else jnp.zeros((0,), h_m.dtype)
-        _, ys = lax.scan(
-            tick,
-            (zeros, circ0),
-            jnp.arange(ticks),
-        )
+        _, ys = lax.scan(tick, (zeros, circ0), jnp.arange(ticks))
         outs = ys[ticks - m :]  # last stage, final repeat: micro-batches 0..m-1 in order
         return lax.psum(jnp.where(sid == p - 1, outs, jnp.zeros_like(outs)), "stage")
 
@@ -184,19 +181,19 @@ def scan_pipeline(
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(spec_layers, batch_spec),
+        in_specs=(spec_layers, batch_spec, [batch_spec] * len(extras_m)),
         out_specs=batch_spec,
         axis_names={"stage", "data"},
-    )(stage_layers, h_m)
+    )(stage_layers, h_m, extras_m)
 
 
-def _apply_layers(
-    layers_gdef: nnx.GraphDef, block: Any, h: jax.Array, wrap: Callable | None
+def apply_layers(
+    layer_fn: LayerFn, block: Any, h: jax.Array, extras: list, wrap: Callable | None
 ) -> jax.Array:
     """Apply a stack of layers (leading axis) to h with a scan, each layer wrapped by `wrap`."""
 
     def body(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
-        return nnx.merge(layers_gdef, layer)(h), None
+        return layer_fn(layer, h, extras), None
 
     if wrap is not None:
         body = wrap(body)
@@ -204,59 +201,171 @@ def _apply_layers(
     return h
 
 
+@dataclass(frozen=True)
+class Extras:
+    """The stack call's extra inputs, split into arrays (cut into micro-batches) and the rest.
+
+    Every array must have the batch as its leading axis: it is split into micro-batches with the
+    activations, so micro-batch i's rows reach the layers computing micro-batch i.
+    """
+
+    arrays: list[jax.Array]
+    rebuild: Callable[[list], tuple[tuple, dict]]
+
+    @classmethod
+    def of(cls, call: StackCall, path: str) -> Extras:
+        leaves, treedef = jax.tree.flatten((call.args, call.kwargs))
+        rows = call.h.shape[0]
+        where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+        for i in where:
+            x = leaves[i]
+            if x.ndim == 0 or x.shape[0] != rows:
+                name = _leaf_name(call, i)
+                raise PipelineConfigError(
+                    f"the stack {path!r} is called with {name} of shape {tuple(x.shape)}, but a "
+                    f"pipeline cuts every array input of the stack into micro-batches along its "
+                    f"first axis, which must be the batch ({rows} rows, as for h "
+                    f"{tuple(call.h.shape)}); broadcast it in the model, e.g. "
+                    f"jnp.broadcast_to(x, ({rows}, *x.shape))"
+                )
+
+        def rebuild(arrays: list) -> tuple[tuple, dict]:
+            out = list(leaves)
+            for i, a in zip(where, arrays, strict=True):
+                out[i] = a
+            return jax.tree.unflatten(treedef, out)
+
+        return cls([leaves[i] for i in where], rebuild)
+
+    def layer_fn(self, call: StackCall) -> LayerFn:
+        def layer(state: Any, h: jax.Array, arrays: list) -> jax.Array:
+            args, kwargs = self.rebuild(arrays)
+            return call.apply_layer(state, h, args, kwargs)
+
+        return layer
+
+
+def _leaf_name(call: StackCall, i: int) -> str:
+    n_args = len(jax.tree.leaves(call.args))
+    if i < n_args:
+        return f"extra positional input {i + 1}"
+    names = [k for k, v in call.kwargs.items() for _ in jax.tree.leaves(v)]
+    return f"{names[i - n_args]}="
+
+
+def _only_call(calls: list[StackCall], path: str) -> StackCall:
+    if len(calls) != 1:
+        raise PipelineConfigError(
+            f"the loss called the stack {path!r} {len(calls)} times; a pipeline runs the stack "
+            f"once per micro-batch, so the model must call it exactly once per loss "
+            f"(self.{path.rsplit('/', 1)[-1]}(h, ...))"
+        )
+    return calls[0]
+
+
 def pipelined_loss(
+    loss_fn: Callable[[nnx.Module, dict], jax.Array],
     model: nnx.Module,
     batch: dict[str, jax.Array],
-    spec: PipelineSpec,
+    stack: str,
     schedule: Schedule,
     mesh: jshard.Mesh,
     wrap: Callable | None,
 ) -> jax.Array:
-    """The model's loss with its layer stack pipelined over ``stage``."""
-    h_m = to_microbatches(model.embed(batch[spec.input_key]), schedule.microbatches, mesh)
-    layers_gdef, layers = nnx.split(model.layers)
+    """``loss_fn(model, batch)``, the user's function as written, with the stack at module path
+    ``stack`` pipelined over ``stage``.
+
+    gpipe and circular run the whole loss once with the stack's call replaced by the pipeline.
+    1f1b runs the part after the stack per micro-batch on the last stage and averages: exact for
+    a loss that is a mean over the batch's rows (plus terms that read no stack weight).
+    """
     if schedule.name == "1f1b":
-        return _loss_1f1b(model, batch, spec, schedule, mesh, wrap, h_m)
-    out = scan_pipeline(layers_gdef, layers, h_m, mesh=mesh, schedule=schedule, wrap=wrap)
-    return spec.loss_from_logits(model.head(from_microbatches(out)), batch)
+        return _loss_1f1b(loss_fn, model, batch, stack, schedule, mesh, wrap)
+    m = schedule.microbatches
+
+    def run(call: StackCall) -> jax.Array:
+        extras = Extras.of(call, stack)
+        h_m = to_microbatches(call.h, m, mesh)
+        extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
+        out = scan_pipeline(extras.layer_fn(call), call.state, h_m, extras_m, mesh=mesh,
+                            schedule=schedule, wrap=wrap)  # fmt: skip
+        return from_microbatches(out)
+
+    with taken_over(model, stack, run) as calls:
+        value = loss_fn(model, batch)
+    _only_call(calls, stack)
+    return value
 
 
 def _loss_1f1b(
+    loss_fn: Callable[[nnx.Module, dict], jax.Array],
     model: nnx.Module,
     batch: dict[str, jax.Array],
-    spec: PipelineSpec,
+    stack: str,
     schedule: Schedule,
     mesh: jshard.Mesh,
     wrap: Callable | None,
-    h_m: jax.Array,
 ) -> jax.Array:
+    p, m = schedule.stages, schedule.microbatches
     graphdef, state = nnx.split(model)
-    layers_gdef = nnx.split(model.layers)[0]
-    p = schedule.stages
-    layers = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), state["layers"])
-    rest = nnx.State({k: v for k, v in state.items() if k != "layers"})
-    # The head never touches the layers: merge with shapes only, so no layer array is captured.
-    layer_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), state["layers"])
+    # The stack's input: the user's loss traced with the stack passing its input through. Only
+    # the part before the stack is used (XLA drops the rest as dead code).
+    with taken_over(model, stack, lambda call: call.h) as calls:
+        loss_fn(model, batch)
+    call = _only_call(calls, stack)
+    extras = Extras.of(call, stack)
+    _, rest = split_state(state, stack)
+    layers = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), call.state)
+    # After the stack nothing may read a layer weight: the last stage holds only its own.
+    layer_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), call.state)
+    layer_fn = extras.layer_fn(call)
 
-    def stage_fn(w: Any, x: jax.Array) -> jax.Array:
-        return _apply_layers(layers_gdef, w, x, wrap)
+    def stage_fn(w: Any, x: jax.Array, arrays: list) -> jax.Array:
+        return apply_layers(layer_fn, w, x, arrays, wrap)
 
-    def head_loss(rest: Any, y: jax.Array, batch_i: dict) -> jax.Array:
-        full = nnx.State({**dict(rest), "layers": layer_shapes})
-        return spec.loss_from_logits(nnx.merge(graphdef, full).head(y), batch_i)
+    def head_loss(rest: Any, y: jax.Array, batch_i: dict, stack_state: Any = layer_shapes):
+        model_i = nnx.merge(graphdef, join_state(stack_state, rest, stack))
+        with taken_over(model_i, stack, lambda _: y) as calls:
+            value = loss_fn(model_i, batch_i)
+        _only_call(calls, stack)
+        return value
 
-    batch_m = {k: to_microbatches(v, schedule.microbatches, mesh) for k, v in batch.items()}
+    h_m = to_microbatches(call.h, m, mesh)
+    batch_m = {k: to_microbatches(v, m, mesh) for k, v in batch.items()}
+    y_i = jax.ShapeDtypeStruct(h_m.shape[1:], h_m.dtype)
+    b_i = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch_m.items()}
+    if reads_inputs(lambda st, r, y, b: head_loss(r, y, b, st), (call.state, rest, y_i, b_i)):
+        raise PipelineConfigError(
+            f"the loss reads weights of the stack {stack!r} outside the stack's call (a penalty "
+            f"on the layer weights, say); 1f1b runs what follows the stack per micro-batch on the "
+            f"last stage, which holds only its own layers. Put the penalty in the optimizer "
+            f"(optax.add_decayed_weights) or use schedule 'gpipe' or 'circular', which run the "
+            f"loss exactly as written"
+        )
+    extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
     return one_f_one_b(
-        stage_fn, head_loss, layers, rest, h_m, batch_m, mesh=mesh, schedule=schedule
+        stage_fn, head_loss, layers, rest, h_m, extras_m, batch_m, mesh=mesh, schedule=schedule
     )
 
 
+def reads_inputs(fn: Callable, args: tuple) -> bool:
+    """Whether ``fn(*args)`` reads any array of ``args[0]`` (traced abstractly, nothing runs)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    first = set(closed.jaxpr.invars[: len(jax.tree.leaves(args[0]))])
+    used = {v for eqn in closed.jaxpr.eqns for v in eqn.invars if not hasattr(v, "val")}
+    used |= {v for v in closed.jaxpr.outvars if not hasattr(v, "val")}
+    return bool(first & used)
+
+
 __all__ = [
+    "Extras",
     "PipelineConfigError",
     "PipelineSpec",
+    "apply_layers",
     "check_pipeline",
     "from_microbatches",
     "pipelined_loss",
+    "reads_inputs",
     "scan_pipeline",
     "to_microbatches",
 ]

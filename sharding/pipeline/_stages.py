@@ -25,7 +25,7 @@ from rich.table import Table
 
 from sharding._units import fmt_bytes, fmt_count
 from sharding.inspection import count_flops
-from sharding.pipeline._scan import PipelineSpec, _apply_layers, scan_pipeline, to_microbatches
+from sharding.pipeline._scan import PipelineSpec, apply_layers, scan_pipeline, to_microbatches
 from sharding.pipeline._schedule import check_layers
 
 
@@ -109,7 +109,8 @@ def stage_report(
     per = check_layers(n_layers, stages, spec.repeats)
     h = _embedded_shape(model, microbatch_rows, seq_len)
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), layers)
-    layer_flops = _flops(lambda w, x: nnx.merge(gdef, w)(x), one, h)
+    call = (getattr(type(model.layers), "layer_class", None) or type(model.layers)).__call__
+    layer_flops = _flops(lambda w, x: call(nnx.merge(gdef, w), x), one, h)
     graphdef, state = nnx.split(model)
     shared = nnx.State({k: v for k, v in state.items() if k != "layers"})
 
@@ -157,6 +158,10 @@ def stack_flop_overhead(
     schedule = spec.table(mesh.shape["stage"])
     gdef, layers = nnx.split(model.layers)
     h = _embedded_shape(model, batch, seq_len)
+    call = (getattr(type(model.layers), "layer_class", None) or type(model.layers)).__call__
+
+    def layer_fn(state: Any, x: jax.Array, extras: list) -> jax.Array:
+        return call(nnx.merge(gdef, state), x)
 
     per = schedule.layers_per_stage(jax.tree.leaves(layers)[0].shape[0])
 
@@ -165,13 +170,15 @@ def stack_flop_overhead(
         blocks = jax.tree.map(lambda a: a.reshape(-1, per, *a.shape[1:]), w)
 
         def block(x: jax.Array, wb: Any) -> tuple[jax.Array, None]:
-            return jax.checkpoint(lambda wb, x: _apply_layers(gdef, wb, x, None))(wb, x), None
+            return jax.checkpoint(lambda wb, x: apply_layers(layer_fn, wb, x, [], None))(
+                wb, x
+            ), None
 
         return jnp.sum(jax.lax.scan(block, x, blocks)[0])
 
     def pipelined(w: Any, x: jax.Array) -> jax.Array:
         x_m = to_microbatches(x, schedule.microbatches, mesh)
-        return jnp.sum(scan_pipeline(gdef, w, x_m, mesh=mesh, schedule=schedule, wrap=None))
+        return jnp.sum(scan_pipeline(layer_fn, w, x_m, mesh=mesh, schedule=schedule, wrap=None))
 
     ref = _flops(jax.grad(reference, argnums=(0, 1)), layers, h)
     stage_sharded = jshard.NamedSharding(mesh, jshard.PartitionSpec("stage"))

@@ -7,6 +7,7 @@ created; only then are the checkpoint directory and the metrics file opened.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -18,6 +19,7 @@ import jax
 from sharding._init import state_bytes
 from sharding._mesh import MeshSpec, make_mesh, mesh_text
 from sharding._recipe import build_program
+from sharding._workload import Workload
 from sharding.training._checkpoint import Checkpointer
 from sharding.training._config import (
     InvalidSettingError,
@@ -27,7 +29,7 @@ from sharding.training._config import (
 from sharding.training._data import TokenOutOfRangeError, dataset_from_arg, process_batch
 from sharding.training._errors import TrainingError
 from sharding.training._result import TrainResult
-from sharding.training._resume import plan_start, run_meta
+from sharding.training._resume import ModelId, plan_start, run_meta
 
 
 class NonFiniteLossError(TrainingError):
@@ -43,15 +45,13 @@ class NonFiniteLossError(TrainingError):
 
 
 def model_config(family: Any, size: str) -> Any:
-    """``family.config(size)``, for a language-model family and one of its named sizes."""
+    """``family.config(size)``, for a shipped family module and one of its named sizes."""
     name = getattr(family, "NAME", repr(family))
     sizes = getattr(family, "SIZES", {})
-    cfgs = list(sizes.values())
-    if not cfgs or not all(hasattr(c, "vocab_size") and hasattr(c, "max_seq_len") for c in cfgs):
+    if not sizes or not all(hasattr(family, a) for a in ("Model", "loss", "config")):
         raise InvalidSettingError(
-            f"fit trains language models (a family whose configs have vocab_size and "
-            f"max_seq_len, e.g. --model llama or gpt2); {name!r} has none: build its step with "
-            f"sharding.compile_train_step"
+            f"fit trains a sharding.Workload (your model) or a shipped family module (e.g. "
+            f"models.llama); {name!r} is neither"
         )
     if size not in sizes:
         raise InvalidSettingError(
@@ -90,7 +90,47 @@ def _dataset(family: Any, cfg: Any, config: TrainConfig, seq: int) -> Any:
         ) from None
 
 
-def build_train_program(family: Any, cfg: Any, config: TrainConfig, spec: MeshSpec, start):
+class _SyntheticData:
+    """A user workload's batches: its ``make_batch`` at a key folded from the seed and the step,
+    so a resumed run sees the batches the uninterrupted one would have."""
+
+    def __init__(self, work: Workload, seed: int):
+        self.work, self.seed = work, seed
+
+    def batch(self, step: int, batch: int, seq: int) -> dict:
+        key = jax.random.fold_in(jax.random.key(self.seed), step)
+        return jax.device_get(self.work.make_batch(batch, seq if self.work.seq else None, key))
+
+
+def _workload(model: Any, config: TrainConfig) -> tuple[Workload, ModelId]:
+    """The workload to train and what its checkpoints record of it."""
+    if not isinstance(model, Workload):  # a shipped family module, at config.size
+        model = Workload.from_family(model, model_config(model, config.size))
+    if _language_model(model):
+        cfg = model.config
+        return model, ModelId(model.family.NAME, cfg.name, dataclasses.asdict(cfg))
+    if config.data is not None:
+        raise InvalidSettingError(
+            f"--data {config.data}: token files feed the shipped language models; "
+            f"{model.name!r} trains on its own make_batch data, so drop --data"
+        )
+    if model.make_batch is None:
+        raise InvalidSettingError(
+            f"workload {model.name!r} has no make_batch: give it one (batch, seq, key) -> batch "
+            f"so fit has data to train on"
+        )
+    if model.family is not None:
+        cfg = dataclasses.asdict(model.config)
+        return model, ModelId(model.family.NAME, model.config.name, cfg)
+    return model, ModelId(model.name, "-", {"workload": model.name})
+
+
+def _language_model(work: Workload) -> bool:
+    """A shipped family trained on token data (vocabulary and context length known)."""
+    return work.family is not None and hasattr(work.config, "vocab_size")
+
+
+def build_train_program(work: Workload, config: TrainConfig, spec: MeshSpec, start):
     """The run's `TrainProgram` (`sharding.build_program`): AdamW (b2 0.95, weight decay 0.1) on
     a warm-up + cosine schedule (to 10% of ``lr`` at ``steps``), global-norm clipping unless
     ``clip`` is 0. Compiles nothing.
@@ -105,8 +145,7 @@ def build_train_program(family: Any, cfg: Any, config: TrainConfig, spec: MeshSp
         config.lr * 0.1,
     )
     return build_program(
-        family,
-        cfg,
+        work,
         config.strategy,
         make_mesh(spec),
         batch=start.batch,
@@ -123,13 +162,15 @@ def build_train_program(family: Any, cfg: Any, config: TrainConfig, spec: MeshSp
 
 
 def fit(
-    family: Any,
+    model: Any,
     config: TrainConfig | None = None,
     *,
     on_step: Callable[[dict], None] | None = None,
     on_note: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Train a language model of ``family`` (e.g. ``models.llama``) as ``config`` says.
+    """Train ``model`` as ``config`` says: a shipped language-model family (``models.llama``,
+    at ``config.size``) on token data, or any `sharding.Workload` (yours) on its
+    ``make_batch`` data.
 
     Everything `spmdkit train` does: checks the settings, resumes or refuses the checkpoint,
     splits the batch (``elastic``), compiles the step, trains to ``config.steps`` writing one JSON
@@ -157,12 +198,17 @@ def fit(
         if on_note is not None:
             on_note(message)
 
-    cfg = model_config(family, config.size)
+    work, ident = _workload(model, config)
+    if config.seq is None and work.seq and not _language_model(work):
+        config = dataclasses.replace(config, seq=work.seq)  # the workload's own length
     spec = MeshSpec.of(config.mesh or "data=-1").resolve(jax.device_count())
-    start = plan_start(family, cfg, spec, config, note)
-    _check_seq(family, cfg, start.seq)
-    dataset = _dataset(family, cfg, config, start.seq)
-    program = build_train_program(family, cfg, config, spec, start)
+    start = plan_start(ident, spec, config, note)
+    if _language_model(work):
+        _check_seq(work.family, work.config, start.seq)
+        dataset = _dataset(work.family, work.config, config, start.seq)
+    else:
+        dataset = _SyntheticData(work, config.seed)
+    program = build_train_program(work, config, spec, start)
     # Everything is checked: from here on the run writes files.
     ck, saved = None, []
     if config.checkpoint_dir is not None:
@@ -176,10 +222,10 @@ def fit(
             )
         else:
             state = program.init(config.seed)
-        note(f"compiling {family.NAME} {config.size} / {config.strategy} on {spec} ...")
+        note(f"compiling {ident.name} {ident.size} / {config.strategy} on {spec} ...")
         program.compiled  # noqa: B018  (compile once, ahead of the loop, and time it)
-        save_meta = run_meta(family, cfg, spec, config, start) if ck else None
-        state, history = _loop(program, dataset, state, config, start, ck, save_meta, on_step)
+        save_meta = run_meta(ident, spec, config, start) if ck else None
+        state, history = _loop(program, dataset, state, config, start, ck, save_meta, on_step, work)
         if ck is not None:
             ck.wait()
             saved = ck.steps()
@@ -191,8 +237,8 @@ def fit(
         note(f"the checkpoint is at step {start.step} >= --steps {config.steps}: nothing to train")
     params = program.abstract_state["params"]
     return TrainResult(
-        family=family.NAME,
-        size=config.size,
+        family=ident.name,
+        size=ident.size,
         strategy=config.strategy,
         mesh=spec.sizes,
         devices=spec.size,
@@ -214,13 +260,17 @@ def fit(
     )
 
 
-def _loop(program, dataset, state, config, start, ck, save_meta, on_step):
+def _loop(program, dataset, state, config, start, ck, save_meta, on_step, work):
     """Train from ``start.step`` to ``config.steps``; stop at the first non-finite number."""
     history: list[dict] = []
     metrics = None if config.metrics is None else open(config.metrics, "w")  # noqa: SIM115
     try:
         for step in range(start.step, config.steps):
-            batch = process_batch(dataset, step, start.batch, start.seq, program.batch_shardings)
+            if isinstance(dataset, _SyntheticData):
+                batch = program.shard_batch(dataset.batch(step, start.batch, start.seq))
+            else:
+                batch = process_batch(dataset, step, start.batch, start.seq,
+                                      program.batch_shardings)  # fmt: skip
             began = time.perf_counter()
             state, out = program.step(state, batch)
             loss = float(out["loss"])  # blocks until the step is done
@@ -233,7 +283,7 @@ def _loop(program, dataset, state, config, start, ck, save_meta, on_step):
                 "loss": loss,
                 "grad_norm": grad_norm,
                 "step_time_s": elapsed,
-                "tokens_per_s": start.batch * start.seq / elapsed,
+                "tokens_per_s": start.batch * (start.seq if work.seq else 1) / elapsed,
             }
             history.append(record)
             if metrics is not None:

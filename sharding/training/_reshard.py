@@ -15,12 +15,14 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-from partition_rules import STRATEGIES, preset
+from partition_rules import STRATEGIES
 from sharding._init import abstract_params
 from sharding._mesh import MeshSpec, make_mesh, mesh_sizes, mesh_text
 from sharding._resolve import resolve
 from sharding._units import fmt_bytes
+from sharding._workload import Workload
 from sharding.training._checkpoint import Checkpointer, NoCheckpointError
 from sharding.training._elastic import checkpoint_shardings
 from sharding.training._manifest import CheckpointError
@@ -117,7 +119,8 @@ def reshard(
     *,
     mesh: MeshSpec | str,
     strategy: str,
-    families: Mapping[str, ModuleType],
+    families: Mapping[str, ModuleType] | None = None,
+    model: Workload | None = None,
     step: int | None = None,
     overwrite: bool = False,
 ) -> ReshardResult:
@@ -131,6 +134,8 @@ def reshard(
         strategy: the target partition preset, one of `partition_rules.STRATEGIES`.
         families: model family name -> family module (``models.FAMILIES``): the model the
             checkpoint names is built from it, abstractly, to place the arrays.
+        model: the `sharding.Workload` the checkpoint was trained from (your own model; its
+            name must be the one the checkpoint records), instead of ``families``.
         step: the step to rewrite; None for the latest.
 
     Example (with ``models`` the package of shipped model families):
@@ -163,16 +168,10 @@ def reshard(
                 f"({steps[-1]})"
             )
         meta = source.meta(step)  # checks every file of the step against its manifest
-        if meta.family not in families:
-            raise ReshardError(
-                f"SRC step {meta.step} holds a {meta.family!r} model, which is not among the "
-                f"model families given ({', '.join(families)})"
-            )
-        family = families[meta.family]
-        cfg = family.config(meta.size, **meta.config)
+        work = _workload(meta, families or {}, model)
         target_mesh = make_mesh(spec)
-        _, params = abstract_params(lambda: family.Model(cfg, rngs=_rngs()))
-        shardings = resolve(*preset(meta.family, strategy), params, target_mesh)
+        _, params = abstract_params(lambda: work.model(_rngs()))
+        shardings = resolve(work.rules, work.axis_map(strategy), params, target_mesh)
         saved = source.array_metadata(meta.step)
         targets = checkpoint_shardings(saved, params, shardings, target_mesh)
         state, _ = source.restore(targets, meta.step, verify=False)  # verified by meta() above
@@ -192,6 +191,25 @@ def reshard(
         arrays=len(saved),
         bytes=sum(v.size * v.dtype.itemsize for v in saved.values()),
     )
+
+
+def _workload(meta: Any, families: Mapping[str, ModuleType], model: Workload | None) -> Workload:
+    """The model the checkpoint holds: the given workload, or the family it names."""
+    if model is not None:
+        if meta.family != model.name and meta.family != getattr(model.family, "NAME", None):
+            raise ReshardError(
+                f"SRC step {meta.step} holds a {meta.family!r} model, not {model.name!r}; give "
+                f"--model the workload that run trained"
+            )
+        return model
+    if meta.family not in families:
+        raise ReshardError(
+            f"SRC step {meta.step} holds a {meta.family!r} model, which is not among the "
+            f"model families given ({', '.join(families) or 'none'}); for your own model give "
+            f"--model package.module:attribute (reshard(model=...))"
+        )
+    family = families[meta.family]
+    return Workload.from_family(family, family.config(meta.size, **meta.config))
 
 
 def _rngs():

@@ -31,6 +31,16 @@ from sharding.training._elastic import elastic_batch
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelId:
+    """What a checkpoint records of the model, to refuse resuming another: its name (a shipped
+    family or the workload's), size, and configuration as plain data."""
+
+    name: str
+    size: str
+    config: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class RunStart:
     """The batch of a run and the checkpoint it resumes (None: a fresh start at step 0)."""
 
@@ -57,7 +67,7 @@ def _path(p: Any) -> str | None:
 
 
 def plan_start(
-    family: Any, cfg: Any, spec: MeshSpec, config: TrainConfig, note: Callable[[str], None]
+    model: ModelId, spec: MeshSpec, config: TrainConfig, note: Callable[[str], None]
 ) -> RunStart:
     """The `RunStart` of ``config`` on ``spec``: checks the checkpoint to resume against the run.
 
@@ -90,7 +100,7 @@ def plan_start(
                 note(f"no checkpoint in {directory} yet: starting at step 0")
             return _fresh(config)
         meta = reader.meta(None if config.resume == LATEST else config.resume)
-    _check_same_run(family, cfg, config, meta, directory)
+    _check_same_run(model, config, meta, directory)
     later = [s for s in steps if s > meta.step]
     if later and not config.overwrite:
         raise WouldOverwriteError(
@@ -121,9 +131,9 @@ def plan_start(
 
 
 def _check_same_run(
-    family: Any, cfg: Any, config: TrainConfig, meta: CheckpointMeta, directory: Path
+    model: ModelId, config: TrainConfig, meta: CheckpointMeta, directory: Path
 ) -> None:
-    want = {"model": (meta.family, family.NAME), "size": (meta.size, config.size),
+    want = {"model": (meta.family, model.name), "size": (meta.size, model.size),
             "seq": (meta.seq_len, config.seq), "seed": (meta.data.get("seed"), config.seed)}  # fmt: skip
     bad = [f"--{k} {a} (given: {b})" for k, (a, b) in want.items() if b is not None and a != b]
     if meta.data.get("path") != _path(config.data):
@@ -131,7 +141,7 @@ def _check_same_run(
         bad.append(f"--data {saved} (given: {now}; 'none' is the embedded arithmetic text)")
     elif config.data is not None and meta.data.get("dtype", config.data_dtype) != config.data_dtype:
         bad.append(f"--data-dtype {meta.data['dtype']} (given: {config.data_dtype})")
-    if meta.config != dataclasses.asdict(cfg) and not bad:
+    if meta.config != model.config and not bad:
         bad.append(f"the {meta.family} {meta.size} config {meta.config}")
     if bad:
         raise CheckpointMismatchError(
@@ -140,15 +150,15 @@ def _check_same_run(
         )
 
 
-def run_meta(family: Any, cfg: Any, spec: MeshSpec, config: TrainConfig, start: RunStart):
+def run_meta(model: ModelId, spec: MeshSpec, config: TrainConfig, start: RunStart):
     """The `CheckpointMeta` this run saves (the step is filled in when saving)."""
     data: dict[str, Any] = {"path": _path(config.data), "seed": config.seed}
     if config.data is not None:
         data["dtype"] = config.data_dtype
     return CheckpointMeta(
-        family=family.NAME,
-        size=config.size,
-        config=dataclasses.asdict(cfg),
+        family=model.name,
+        size=model.size,
+        config=model.config,
         strategy=config.strategy,
         mesh=spec.sizes,
         global_batch=start.batch,

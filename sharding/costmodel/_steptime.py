@@ -1,0 +1,302 @@
+"""One step-time model for a target, fed by compiled programs and by closed-form predictions.
+
+A `StepWork` is what one step asks of each device: matmul FLOPs, bytes of memory-bound work,
+collectives (kind, mesh axes, bytes, count), the pipeline bubble, the step's tokens and model
+FLOPs. `work_from_report` (a compiled program) and `work_from_prediction` (a `Prediction`) build
+it, in `sharding.costmodel._stepwork`. `step_time` prices it on a `sharding.targets.Target`:
+compute, exposed communication and bubble seconds, throughput, MFU, memory against HBM, one row
+per collective, and every assumption as a sentence.
+
+Compute is matmul FLOPs at a fraction of the dense peak plus memory-bound bytes at a fraction of
+the HBM bandwidth. Collectives are rings: all-reduce sends 2(n-1)/n of its operand, all-gather
+(n-1)/n of its gathered output, reduce-scatter and all-to-all (n-1)/n of their operand,
+collective-permute its operand once (the `CollectiveOp.bytes` convention, which predictions
+share), at the slowest link the group crosses (`Topology.group`), plus one link latency per ring
+step: 2(n-1) for all-reduce, n-1 for the other rings, 1 for a permute. Data/fsdp gradient
+reductions and weight gathers hide behind compute up to `OVERLAP` of it; the rest is exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sharding._mesh import AXES, mesh_text
+from sharding._units import fmt_bytes, fmt_count
+from sharding.costmodel._predict import CostModelError
+from sharding.targets import Target, target
+
+# Share of the compute window that hides overlappable collectives: the first layer's gather and
+# the last layer's reduction have nothing to hide behind, and XLA's latency-hiding scheduler is
+# not perfect (MaxText and torchtitan runs show FSDP/DP traffic mostly, not wholly, hidden).
+OVERLAP = 0.8
+# Share of HBM a step may fill: the rest is the runtime, library workspaces and fragmentation.
+MEMORY_FRACTION = 0.9
+OVERLAP_AXES = frozenset({"data", "fsdp"})  # their reductions and gathers overlap compute
+BACKWARD_SHARE = {"none": 2 / 3, "dots": 2 / 3, "full": 3 / 4}  # of the matmul time, by remat
+_HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
+         "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
+         "collective-permute": lambda n: 1}  # fmt: skip
+
+
+class StepTimeError(CostModelError):
+    """Work the step-time model cannot price as given."""
+
+
+def ring_factor(kind: str, n: int) -> float:
+    """Bytes a device sends per byte of `CollectiveOp.bytes`, in a ring of ``n`` devices."""
+    if kind not in _HOPS:
+        raise StepTimeError(f"unknown collective kind {kind!r}; the kinds are {', '.join(_HOPS)}")
+    if n <= 1:
+        return 0.0
+    return {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
+
+
+def ring_hops(kind: str, n: int) -> int:
+    """Link latencies one execution waits: one per ring step, one for a permute."""
+    ring_factor(kind, n)
+    return 0 if n <= 1 else _HOPS[kind](n)
+
+
+@dataclass(frozen=True)
+class CollectiveWork:
+    """Collectives of one kind over one set of mesh axes (None: unknown): ``bytes`` per device
+    per step, summed over ``count`` executions, in the `CollectiveOp.bytes` convention."""
+
+    kind: str
+    axes: tuple[str, ...] | None
+    bytes: float
+    count: int
+    what: str = ""
+
+
+@dataclass
+class StepWork:
+    """What one step asks of each device; the neutral input of `step_time`.
+
+    ``matmul_flops`` is the critical path per device, bubble included, and ``bubble_flops`` the
+    part of it spent in the bubble (ticks on zeros, or waiting for the slowest stage);
+    ``tokens`` (or samples, ``unit``) and ``model_flops`` are per step over all devices;
+    ``notes`` are the adapter's assumptions and ``pipeline`` the per-tick FLOPs it read.
+    """
+
+    mesh: dict[str, int]
+    matmul_flops: float
+    collectives: list[CollectiveWork]
+    tokens: int
+    dtype: str = "float32"
+    unit: str = "tokens"
+    memory_bound_bytes: float = 0.0
+    bubble_flops: float = 0.0
+    bubble_fraction: float = 0.0
+    schedule: str | None = None
+    remat: str = "none"
+    model_flops: float | None = None
+    memory_bytes: int | None = None
+    source: str = "given"
+    notes: list[str] = field(default_factory=list)
+    pipeline: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    """One priced collective: group size, ring factor, link, seconds, and seconds exposed."""
+
+    kind: str
+    axes: tuple[str, ...] | None
+    bytes: float
+    count: int
+    group: int
+    factor: float
+    link: str
+    inside_node: bool
+    bandwidth_s: float
+    latency_s: float
+    seconds: float
+    exposed_s: float
+    overlap: str
+
+
+@dataclass
+class StepTime:
+    """A step's predicted time on a target, split, with every assumption behind it."""
+
+    target: str
+    mesh: dict[str, int]
+    devices: int
+    compute_s: float
+    matmul_s: float
+    memory_bound_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    step_s: float
+    unit: str
+    throughput: float
+    throughput_per_device: float
+    mfu: float | None
+    memory_bytes: int | None
+    hbm_bytes: int
+    fits: bool | None
+    collectives: list[CollectiveTime]
+    warnings: list[str]
+    assumptions: list[str]
+
+    def describe(self) -> str:
+        """One line: the step time split, throughput per device, MFU, memory."""
+        mfu = "" if self.mfu is None else f", MFU {self.mfu:.1%}"
+        mem = "" if self.memory_bytes is None else (
+            f", {fmt_bytes(self.memory_bytes)} of {fmt_bytes(self.hbm_bytes)} HBM"
+            f" ({'fits' if self.fits else 'does not fit'})")  # fmt: skip
+        ms = [f"{x * 1e3:.3g}" for x in (self.step_s, self.compute_s, self.exposed_comm_s,
+                                         self.bubble_s)]  # fmt: skip
+        return (
+            f"{mesh_text(self.mesh)} on {self.target}: {ms[0]} ms/step = compute {ms[1]} + "
+            f"exposed comm {ms[2]} + bubble {ms[3]}; {self.throughput_per_device:,.0f} "
+            f"{self.unit}/s per device{mfu}{mem}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for row in data["collectives"]:
+            row["axes"] = None if row["axes"] is None else list(row["axes"])
+        return data
+
+
+def _overlap_rule(c: CollectiveWork, pipelined: bool) -> str:
+    """The overlap rule a collective falls under: "gather", "grad", or "exposed: why"."""
+    axes = set(c.axes or ())
+    if c.axes is None:
+        return "exposed: axes unknown"
+    if c.kind == "collective-permute":
+        return "exposed: pipeline transfer between ticks"
+    if "tensor" in axes:
+        return "exposed: tensor-parallel, inside the layers"
+    if axes <= OVERLAP_AXES and c.kind == "all-gather":
+        return "gather"
+    if axes <= OVERLAP_AXES and c.kind in ("all-reduce", "reduce-scatter"):
+        return "exposed: after the tick scan" if pipelined else "grad"
+    return "exposed: no compute to overlap"
+
+
+def step_time(
+    work: StepWork,
+    tgt: Target | str,
+    *,
+    overlap: float = OVERLAP,
+    memory_fraction: float = MEMORY_FRACTION,
+) -> StepTime:
+    """Price ``work`` on a target (a `Target` or its text; its devices must be the mesh's).
+
+    ``overlap`` is the share of the compute window that hides data/fsdp collectives,
+    ``memory_fraction`` the share of HBM a step may fill and still fit. Every figure used is a
+    sentence in ``assumptions``.
+
+    Example:
+        >>> work = StepWork({"data": 8}, 6e12, [CollectiveWork("all-reduce", ("data",), 2e9, 1)],
+        ...                 tokens=8 * 4096, dtype="bfloat16")
+        >>> round(step_time(work, "h100:1x8").step_s, 4)
+        0.0145
+    """
+    if not (0 <= overlap <= 1 and 0 < memory_fraction <= 1):
+        raise StepTimeError(
+            f"overlap={overlap!r} and memory_fraction={memory_fraction!r}: overlap is a share in "
+            f"[0, 1] (e.g. {OVERLAP}), memory_fraction one in (0, 1] (e.g. {MEMORY_FRACTION})"
+        )
+    if not 0 <= work.bubble_flops <= work.matmul_flops:
+        raise StepTimeError(
+            f"bubble_flops={work.bubble_flops:g} must lie within 0 and matmul_flops="
+            f"{work.matmul_flops:g}: the bubble is part of the critical path's FLOPs"
+        )
+    tgt = target(tgt)
+    topo, d, pipelined = tgt.topology(work.mesh), tgt.device, work.schedule is not None
+    peak = d.peak(work.dtype)
+    rate = peak * d.matmul_fraction
+    matmul_s, bubble_s = (work.matmul_flops - work.bubble_flops) / rate, work.bubble_flops / rate
+    memory_s = work.memory_bound_bytes / (d.hbm_bw * d.hbm_fraction)
+    rows, by_rule = [], defaultdict(float)
+    for c in work.collectives:
+        g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
+        factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined)
+        bw_s = factor * c.bytes / (g.link.bandwidth * d.link_fraction)
+        lat_s = c.count * ring_hops(c.kind, g.size) * g.link.latency
+        by_rule[rule] += bw_s + lat_s
+        rows.append((c, g, factor, bw_s, lat_s, rule))
+    backward = BACKWARD_SHARE.get(work.remat, 2 / 3)
+    hidden = {"grad": min(by_rule["grad"], overlap * backward * matmul_s)}
+    hidden["gather"] = min(by_rule["gather"], overlap * matmul_s - hidden["grad"])
+    collectives = []
+    for c, g, factor, bw_s, lat_s, rule in rows:
+        seconds = bw_s + lat_s
+        share_hidden = hidden.get(rule, 0.0) / by_rule[rule] if by_rule[rule] else 0.0
+        collectives.append(CollectiveTime(c.kind, c.axes, c.bytes, c.count, g.size, factor,
+                                          g.link.name, g.inside_node, bw_s, lat_s, seconds,
+                                          seconds * (1 - share_hidden), rule))  # fmt: skip
+    exposed_s = sum(c.exposed_s for c in collectives)
+    step_s = matmul_s + memory_s + exposed_s + bubble_s
+    throughput = work.tokens / step_s if step_s > 0 else math.inf
+    budget = memory_fraction * d.hbm_bytes
+    return StepTime(
+        target=tgt.name, mesh=dict(topo.sizes), devices=tgt.devices,
+        compute_s=matmul_s + memory_s, matmul_s=matmul_s, memory_bound_s=memory_s,
+        comm_s=sum(c.seconds for c in collectives), exposed_comm_s=exposed_s, bubble_s=bubble_s,
+        step_s=step_s, unit=work.unit, throughput=throughput,
+        throughput_per_device=throughput / tgt.devices,
+        mfu=work.model_flops / (step_s * tgt.devices * peak) if work.model_flops else None,
+        memory_bytes=work.memory_bytes, hbm_bytes=d.hbm_bytes,
+        fits=None if work.memory_bytes is None else work.memory_bytes <= budget,
+        collectives=collectives, warnings=topo.warnings,
+        assumptions=_assumptions(work, tgt, overlap, backward, budget, memory_fraction))  # fmt: skip
+
+
+def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, budget: float,
+                 memory_fraction: float) -> list[str]:  # fmt: skip
+    """Every figure `step_time` used, as sentences."""
+    d, peak = tgt.device, tgt.device.peak(work.dtype)
+    out = [
+        f"Target {tgt.describe()}.",
+        f"Matmuls run at {d.matmul_fraction:.0%} of the dense {work.dtype} peak "
+        f"({peak / 1e12:g} TFLOP/s): {peak * d.matmul_fraction / 1e12:.4g} TFLOP/s per device, "
+        f"for {fmt_count(work.matmul_flops)} FLOPs per device per step ({work.source}).",
+        f"Memory-bound work moves {fmt_bytes(work.memory_bound_bytes)} per device at "
+        f"{d.hbm_fraction:.0%} of {d.hbm_bw / 1e9:g} GB/s HBM; other elementwise work is "
+        f"charged at the matmul rate through the matmul fraction.",
+        f"Collectives run as rings at {d.link_fraction:.0%} of the link bandwidth: all-reduce "
+        f"sends 2(n-1)/n of its bytes, all-gather (n-1)/n of its gathered output, reduce-scatter "
+        f"and all-to-all (n-1)/n of their operand, collective-permute its operand once; each "
+        f"ring step waits one hop ({d.intra_latency * 1e6:g} us over {d.intra_link}, "
+        f"{d.inter_latency * 1e6:g} us over {d.inter_link}); a group spanning nodes runs at "
+        f"the {d.inter_link} bandwidth (no hierarchical algorithm).",
+        f"Overlap: gradient reductions over data/fsdp hide behind the backward ({backward:.0%} "
+        f"of the matmul time, remat {work.remat}) up to {overlap:.0%} of it; fsdp/data weight "
+        f"all-gathers are prefetched behind what the reductions leave of {overlap:.0%} of the "
+        f"matmul time; tensor-parallel collectives (inside each layer) and pipeline permutes are "
+        f"exposed" + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
+                      "exposed." if work.schedule else "."),
+        f"Fits if the per-device memory is at most {memory_fraction:.0%} of HBM "
+        f"({fmt_bytes(budget)}); the rest is the runtime, workspaces and fragmentation.",
+    ]  # fmt: skip
+    if work.schedule:
+        out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "
+                   f"{fmt_count(work.bubble_flops)} FLOPs of the critical path are bubble, shown "
+                   f"as bubble time.")  # fmt: skip
+    out.append(f"MFU = model FLOPs per step ({fmt_count(work.model_flops)}) / (step time x "
+               f"{tgt.devices} devices x {peak / 1e12:g} TFLOP/s {work.dtype} peak)."
+               if work.model_flops else "MFU not computed: no model FLOPs per step were given.")  # fmt: skip
+    return out + work.notes
+
+
+__all__ = [
+    "MEMORY_FRACTION",
+    "OVERLAP",
+    "CollectiveTime",
+    "CollectiveWork",
+    "StepTime",
+    "StepTimeError",
+    "StepWork",
+    "ring_factor",
+    "ring_hops",
+    "step_time",
+]

@@ -1,0 +1,54 @@
+"""Targets: the cluster a step is priced for, as a device profile on a topology of nodes.
+
+`target` parses ``"h100:2x8"`` (2 nodes of 8 H100s), ``"h100"``, ``"h100:8"`` or a TOML device
+profile into a `Target`; `PROFILES` are the shipped `DeviceSpec`s (H100, H200, B200, A100, TPU
+v5e, v5p, v6e, each citing its datasheet); `load_profile` reads a user's (its docstring lists
+the keys and units). `Target.topology(mesh)` lays a mesh on the nodes, tensor innermost, and
+says which collective groups cross nodes and at which link they are priced. Every error is a
+`TargetError`.
+
+Example:
+    >>> t = target("h100:2x8")
+    >>> t.topology("tensor=2,data=8").group("data").link.name
+    'InfiniBand'
+"""
+
+from sharding.targets._devices import (
+    ALIASES,
+    PROFILES,
+    DeviceSpec,
+    TargetError,
+    TargetProfileError,
+    load_profile,
+)
+from sharding.targets._target import (
+    FORMS,
+    Group,
+    Link,
+    MalformedTargetError,
+    Target,
+    TargetSizeError,
+    Topology,
+    TopologyError,
+    UnknownTargetError,
+    target,
+)
+
+__all__ = [
+    "ALIASES",
+    "FORMS",
+    "PROFILES",
+    "DeviceSpec",
+    "Group",
+    "Link",
+    "MalformedTargetError",
+    "Target",
+    "TargetError",
+    "TargetProfileError",
+    "TargetSizeError",
+    "Topology",
+    "TopologyError",
+    "UnknownTargetError",
+    "load_profile",
+    "target",
+]

@@ -1,0 +1,166 @@
+"""Models written in the tests (`tests/user_models.py`), own names throughout: every strategy and
+every pipeline schedule that applies computes the loss and gradients of a plain one-device
+`jax.jit` of the user's own loss (float32, rtol 1e-5), and a pipeline never computes another loss.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import jax
+import numpy as np
+import pytest
+import user_models as um
+from flax import nnx
+
+from sharding import StackError, StepConfigError, build_program
+from sharding.pipeline import PipelineConfigError
+
+BATCH = 16
+
+
+def program(work, strategy, mesh, schedule=None, *, m=4, remat="none"):
+    repeats = 2 if schedule == "circular" else None
+    return build_program(work, strategy, mesh, batch=BATCH, schedule=schedule,
+                         microbatches=m if schedule else None, repeats=repeats, remat=remat)  # fmt: skip
+
+
+@cache
+def init_params(work_key: tuple):
+    """The train state's parameters for a workload, made once on one device."""
+    work = WORKLOADS[work_key]()
+    prog = build_program(work, "dp", "data=1", batch=BATCH, devices=jax.devices()[:1])
+    return jax.device_get(prog.init(0)["params"])
+
+
+def reference(work, work_key, batch):
+    """Loss and gradients of the user's loss under a plain jax.jit on one device."""
+    graphdef = nnx.graphdef(work.abstract())
+    params = init_params(work_key)
+    f = jax.jit(jax.value_and_grad(lambda p, b: work.loss(nnx.merge(graphdef, p), b)))
+    loss, grads = f(*jax.device_put((params, batch), jax.devices()[0]))
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def assert_matches_reference(prog, work, work_key):
+    batch = jax.device_get(work.synthetic_batch(BATCH))
+    params = init_params(work_key)
+    loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch)
+    ref_loss, ref_grads = reference(work, work_key, batch)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), ref_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6)
+    return float(loss)
+
+
+WORKLOADS = {
+    ("decoder", "stacked"): lambda: um.transformer("stacked"),
+    ("decoder", "list"): lambda: um.transformer("list"),
+    ("decoder", "l2"): lambda: um.transformer("stacked", um.l2_loss),
+    ("decoder", "head_l2"): lambda: um.transformer("stacked", um.head_l2_loss),
+    ("cnn",): um.cnn,
+}
+SPLITS = [
+    ("dp", "data=8", None),
+    ("fsdp", "fsdp=8", None),
+    ("tp", "data=2,tensor=4", None),
+    ("fsdp_tp", "data=2,fsdp=2,tensor=2", None),
+]
+PIPELINES = [
+    ("pp", "stage=2,data=4", "gpipe"),
+    ("pp", "stage=2,data=4", "circular"),
+    ("pp", "stage=2,data=4", "1f1b"),
+    ("pp_tp", "stage=2,data=2,tensor=2", "1f1b"),
+]
+
+
+@pytest.mark.parametrize(("strategy", "mesh", "schedule"), SPLITS + PIPELINES)
+def test_stacked_transformer_matches_one_device(strategy, mesh, schedule):
+    """Extra per-layer inputs (a mask, a position bias with its own gradient) reach every layer."""
+    key = ("decoder", "stacked")
+    assert_matches_reference(program(WORKLOADS[key](), strategy, mesh, schedule),
+                             WORKLOADS[key](), key)  # fmt: skip
+
+
+@pytest.mark.parametrize(("strategy", "mesh", "schedule"), SPLITS)
+def test_list_of_blocks_trains_under_every_split(strategy, mesh, schedule):
+    key = ("decoder", "list")
+    work = WORKLOADS[key]()
+    assert_matches_reference(program(work, strategy, mesh), work, key)
+
+
+def test_list_of_blocks_cannot_pipeline_and_says_how_to_stack():
+    work = um.transformer("list")
+    with pytest.raises(StepConfigError, match=r"pipeline splits the model's layer stack.*stack="):
+        program(work, "pp", "stage=2,data=4", "gpipe")
+    listed = type(work)(**{**work.__dict__, "stack": "blocks"})
+    with pytest.raises(StackError, match=r"'blocks' is a Python list of 4 blocks.*make_stacked"):
+        program(listed, "pp", "stage=2,data=4", "gpipe")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh", "schedule"),
+    [("dp", "data=8", None), ("fsdp", "fsdp=8", None), ("dp_tp", "data=2,tensor=4", None),
+     ("pp", "stage=2,data=4", "gpipe"), ("pp", "stage=2,data=4", "1f1b")],
+)  # fmt: skip
+def test_user_cnn_matches_one_device(strategy, mesh, schedule):
+    key = ("cnn",)
+    assert_matches_reference(program(um.cnn(), strategy, mesh, schedule), um.cnn(), key)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_pipeline_runs_the_users_loss_with_its_l2_penalty(schedule):
+    """A penalty on every weight, the stack's included: pipelined == unpipelined == one device."""
+    key = ("decoder", "l2")
+    work = WORKLOADS[key]()
+    piped = assert_matches_reference(program(work, "pp", "stage=2,data=4", schedule), work, key)
+    plain = assert_matches_reference(program(work, "dp", "data=8"), work, key)
+    without = reference(um.transformer("stacked"), ("decoder", "stacked"),
+                        jax.device_get(work.synthetic_batch(BATCH)))[0]  # fmt: skip
+    assert piped == pytest.approx(plain, rel=1e-6)
+    assert piped > without + 0.1  # the penalty is really in the pipelined loss
+
+
+def test_1f1b_refuses_a_loss_that_reads_stack_weights_after_the_stack():
+    with pytest.raises(PipelineConfigError, match=r"reads weights of the stack 'blocks'.*gpipe"):
+        program(um.transformer("stacked", um.l2_loss), "pp", "stage=2,data=4", "1f1b").init(0)
+
+
+def test_1f1b_runs_a_penalty_on_weights_outside_the_stack():
+    key = ("decoder", "head_l2")
+    assert_matches_reference(program(WORKLOADS[key](), "pp", "stage=2,data=4", "1f1b"),
+                             WORKLOADS[key](), key)  # fmt: skip
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_toolkit_remat_recomputes_a_plain_loss(remat):
+    """The user's loss takes no remat keyword; the policy still reaches every layer: the
+    compiled step recomputes matmuls (more FLOPs than without remat), same numbers."""
+    work = um.transformer("stacked")
+    base = program(work, "dp", "data=8").report().matmul_flops
+    prog = program(work, "dp", "data=8", remat=remat)
+    flops = prog.report().matmul_flops
+    if remat == "full":
+        assert flops > base
+    else:  # dots saves every matmul output: nothing to recompute
+        assert flops == base
+    assert_matches_reference(prog, work, ("decoder", "stacked"))
+
+
+def test_remat_without_a_stack_is_refused():
+    with pytest.raises(StepConfigError, match=r"remat='full'.*no stack was named.*stack="):
+        program(um.transformer("list"), "dp", "data=8", remat="full")
+
+
+def test_stack_inputs_without_a_batch_axis_are_refused_by_pipelines():
+    work = um.transformer("shared_bias")
+    program(work, "dp", "data=8")  # a plain scan takes them as they are
+    with pytest.raises(PipelineConfigError, match=r"pos_bias= of shape \(16, 32\).*broadcast"):
+        program(work, "pp", "stage=2,data=4", "gpipe")
+
+
+def test_unknown_stack_path_lists_the_submodules():
+    work = um.transformer("stacked")
+    wrong = type(work)(**{**work.__dict__, "stack": "layers"})
+    with pytest.raises(StackError, match=r"stack='layers'.*no submodule 'layers'.*blocks"):
+        program(wrong, "dp", "data=8")
