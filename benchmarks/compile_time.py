@@ -18,7 +18,7 @@ def compile_seconds(strategy: str, mesh_spec: str, *, layers: int, batch: int, s
                     schedule: str | None = None, microbatches: int = 0, repeats: int = 2) -> float:  # fmt: skip
     """Best wall time over ``repeats`` fresh compiles of the train step."""
     import models
-    from sharding.comparison import CompareConfig, build
+    from sharding.comparison import Settings, build
     from sharding.costmodel import Layout
 
     fam = models.get_family("llama")
@@ -29,7 +29,7 @@ def compile_seconds(strategy: str, mesh_spec: str, *, layers: int, batch: int, s
         from sharding import Workload
 
         # A new program (new closures) every time: no in-memory cache hit.
-        program = build(cand, Workload.from_family(fam, cfg), CompareConfig(batch=batch, seq=seq))
+        program = build(cand, Workload.from_family(fam, cfg), Settings(batch, seq))
         program.compiled  # noqa: B018 - compiles and records compile_time_s
         best = min(best, program.compile_time_s)
     return best

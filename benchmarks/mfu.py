@@ -52,11 +52,12 @@ def train_flops_6nd(n_params: int, tokens: int) -> float:
 def _build(fam: Any, cfg: Any, args: Any, device: Any, remat: str) -> Any:
     """The one-device dp program (built, not compiled: its abstract state is sized first)."""
     from sharding import Workload
-    from sharding.comparison import CompareConfig, build
+    from sharding.comparison import Settings, build
     from sharding.costmodel import Layout
 
-    conf = CompareConfig(batch=args.batch, seq=args.seq, dtype=args.dtype, lr=1e-4, remat=remat)
-    return build(Layout("dp", "data=1"), Workload.from_family(fam, cfg), conf, [device])
+    settings = Settings(args.batch, args.seq, lr=1e-4)
+    return build(Layout("dp", "data=1"), Workload.from_family(fam, cfg), settings,
+                 dtype=args.dtype, remat=remat, devices=[device])  # fmt: skip
 
 
 def try_size(fam: Any, size: str, args: Any, device: Any, limit: int) -> dict[str, Any]:

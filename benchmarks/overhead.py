@@ -66,16 +66,16 @@ def measure(strategy: str, mesh_spec: str, args) -> dict:
 
     import models
     from sharding import Workload
-    from sharding.comparison import CompareConfig, build
+    from sharding.comparison import Settings, build
     from sharding.costmodel import Layout
     from sharding.inspection import compile_and_inspect
 
     fam = models.get_family("llama")
     cfg = fam.config(args.size)
-    conf = CompareConfig(batch=args.batch, seq=args.seq)
-    program = build(Layout(strategy, mesh_spec), Workload.from_family(fam, cfg), conf)
+    settings = Settings(args.batch, args.seq)
+    program = build(Layout(strategy, mesh_spec), Workload.from_family(fam, cfg), settings)
     mesh, shapes = program.mesh, program.batch_shapes
-    optimizer = optax.adamw(conf.lr)  # the same update, for the hand-written step
+    optimizer = optax.adamw(settings.lr)  # the same update, for the hand-written step
     ours = program.report()
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

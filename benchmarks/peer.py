@@ -164,30 +164,35 @@ def maxtext_command(label: str, mesh: str, microbatches: int | None, *, steps: i
 
 
 def run_spmdkit(args: Any) -> list[dict[str, Any]]:
-    """Compile, warm up and time spmdkit's step on each mesh (`sharding.comparison.measure`)."""
+    """Compile, warm up and time spmdkit's step on each mesh (`sharding.comparison.evaluate`
+    and `measure_here`; the prediction for an H100 node is kept beside the measured time)."""
     import models
     from sharding import Workload
-    from sharding.comparison import CompareConfig, measure
+    from sharding.comparison import Settings, evaluate, measure_here
     from sharding.costmodel import Layout
+    from sharding.targets import target
 
     fam = models.get_family("llama")
     cfg = fam.config(SIZE)
-    conf = CompareConfig("llama", SIZE, PER_DEVICE_BATCH * args.devices, SEQ, "float32",
-                         args.steps, args.warmup)  # fmt: skip
+    work = Workload.from_family(fam, cfg)
+    settings = Settings(PER_DEVICE_BATCH * args.devices, SEQ)
+    tgt = target(f"h100:1x{args.devices}")
     flops = maxtext_train_flops_per_device(cfg, PER_DEVICE_BATCH, SEQ)
     rows = []
     for label, strategy, mesh, micro in RUNS:
         if label not in args.meshes:
             continue
         cand = Layout(strategy, mesh, "gpipe" if micro else None, micro)
-        r = measure(cand, Workload.from_family(fam, cfg), conf)
-        secs = r.step_time_s
+        r, program = evaluate(cand, work, settings, tgt, dtype="float32")
+        measure_here(r, program, work, settings, warmup=args.warmup, timed=args.steps)
+        secs = r.measured_step_s
         rows.append({
             "label": label, "mesh": mesh, "seconds": secs,
             "TFLOP/s/device": flops / secs / 1e12,
             "matmul TFLOP/s/device": r.matmul_flops / secs / 1e12,
             "Tokens/s/device": PER_DEVICE_BATCH * SEQ / secs, "loss": r.losses[-1],
-            "losses": r.losses, "step_times_s": r.step_times_s,
+            "losses": r.losses, "step_times_s": r.measured_s,
+            "predicted_h100_step_s": r.step_s,
             "compile_time_s": r.compile_time_s, "collective_bytes": r.collective_bytes,
         })  # fmt: skip
     return rows

@@ -78,7 +78,7 @@ def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
 
     import models
     from sharding import MeshSpec, Workload
-    from sharding.comparison import CompareConfig, build
+    from sharding.comparison import Settings, build
     from sharding.costmodel import Layout
     from sharding.pipeline import stack_flop_overhead
 
@@ -90,8 +90,8 @@ def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
     program = build(
         cand,
         Workload.from_family(fam, cfg),
-        CompareConfig(batch=batch, seq=args.seq),
-        jax.devices()[:n],
+        Settings(batch, args.seq),
+        devices=jax.devices()[:n],
     )
     spec, mesh = cand.pipeline(), program.mesh
     report = program.report()  # compiles; program.compile_time_s is tracing + XLA

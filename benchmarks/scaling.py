@@ -63,7 +63,7 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
 
     import models
     from sharding import Workload, state_bytes
-    from sharding.comparison import CompareConfig, build
+    from sharding.comparison import Settings, build
     from sharding.costmodel import Layout
 
     fam = models.get_family("llama")
@@ -74,8 +74,8 @@ def measure(strategy: str, n: int, args: Any) -> dict[str, Any]:
     unpiped = "dp" if strategy == "pp" and not pipelined else strategy
     cand = Layout(unpiped, spec, "gpipe" if pipelined else None, 2 * n if pipelined else None)
     start = time.perf_counter()
-    program = build(cand, Workload.from_family(fam, cfg), CompareConfig(batch=args.batch, seq=args.seq),
-                    jax.devices()[:n])  # fmt: skip
+    program = build(cand, Workload.from_family(fam, cfg), Settings(args.batch, args.seq),
+                    devices=jax.devices()[:n])  # fmt: skip
     pipeline = cand.pipeline()
     report = program.report()
     elapsed = time.perf_counter() - start

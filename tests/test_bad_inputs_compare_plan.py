@@ -21,9 +21,24 @@ ROWS = [
     ("compare --seq 4096", r"--seq 4096: llama tiny holds at most 128 positions; use --seq 128"),
     ("compare --memory 80i", r"--memory '80i': cannot read '80i' as a size.*'80GB'"),
     ("compare --memory 0", r"--memory '0': give the memory per device.*--memory 80GB"),
-    ("compare --peak-tflops 0", r"--peak-tflops 0\.0: give the peak TFLOP/s of one device"),
-    ("compare --peak-tflops nan", r"--peak-tflops nan: give the peak TFLOP/s of one device"),
-    ("compare --devices 0", r"--devices: 0 must be >= 1"),
+    (
+        "compare --peak-tflops 989",
+        r"--peak-tflops: renamed: use --target with a TOML device "
+        r"profile \(peak_tflops_bf16 = 989\)",
+    ),
+    (
+        "compare --devices 16",
+        r"--devices: renamed: use --target DEVICE:NODESxPER_NODE, e\.g\. "
+        r"--target h100:1x16",
+    ),
+    (
+        "compare --target h900",
+        r"unknown target 'h900' \(did you mean 'h200'\?\); known devices: "
+        r"h100, h200, b200, a100, v5e, v5p, v6e",
+    ),
+    ("compare --target h100:3x9", r"a h100 node holds at most 8 devices"),
+    ("compare --dtype fp8", r"--dtype 'fp8': choose from float32, bfloat16"),
+    ("compare --remat all", r"--remat 'all': choose from none, dots, full"),
     # compare: what to measure, and where the results go
     ("compare --strategies dp,zero3", r"--strategies 'dp,zero3': unknown strategies \['zero3'\]"),
     ("compare --model cnn --seq 32", r"--seq 32: cnn tiny has no sequence axis.*drop --seq"),
@@ -34,18 +49,31 @@ ROWS = [
         "compare --out done",
         r"--out 'done' already holds compare\.json and compare\.png; pass --overwrite",
     ),
-    ("compare --strategies pp_tp --devices 2", r"--strategies pp_tp: none of them has a layout"),
+    (
+        "compare --strategies pp_tp --target h100:1x2",
+        r"--strategies pp_tp: none of them has a "
+        r"layout on 2 devices",
+    ),
     # plan
     ("plan --layers 0", r"--layers: 0 must be >= 1"),
     ("plan --top 0", r"--top: 0 must be >= 1"),
-    ("plan --devices 0", r"--devices: 0 must be >= 1"),
+    ("plan --devices 16", r"--devices: renamed: use --target h100:2x8"),
+    ("plan --device-kind a100-80gb", r"--device-kind: renamed: use --target a100:1x8"),
+    ("plan --target h100:3x9", r"target 'h100:3x9': a h100 node holds at most 8 devices"),
+    ("plan --target tpu9", r"unknown target 'tpu9'.*known devices: h100"),
     ("plan --batch 0", r"--batch: 0 must be >= 1"),
     ("plan --seq 0", r"--seq: 0 must be >= 1"),
     ("plan --seq 99999", r"--seq 99999: llama 7b holds at most 4096 positions; use --seq 4096"),
     ("plan --aot -1", r"--aot: -1 must be >= 0"),
     ("plan --size 13b", r"--size '13b': unknown llama size; sizes: tiny, maxtext-tiny, 1b, 7b"),
     ("plan --model gpt2 --size 7b", r"--size '7b': unknown gpt2 size; sizes: tiny, 124m"),
-    ("plan --model cnn", r"--model 'cnn': plan covers the language-model families llama, gpt2"),
+    ("plan --model cnn --seq 32", r"--seq 32: cnn-tiny has no sequence axis; drop --seq"),
+    ("plan --model cnn --aot 0", r"--aot 0: cnn-tiny has no closed-form costs.*leave --aot out"),
+    (
+        "plan --model cnn --target h100:16x8",
+        r"cnn-tiny has no closed-form costs .* 128 devices, more than the 64 this host simulates",
+    ),
+    ("plan --dtype float16", r"--dtype: invalid choice: 'float16'"),
     ("plan --memory 80i", r"--memory '80i': cannot read '80i' as a size"),
     ("plan --memory 0", r"--memory '0': give the memory per device > 0, e.g. --memory 80GB"),
     (
@@ -64,4 +92,4 @@ def test_refused(refused, tmp_path, args, match):
     (tmp_path / "done").mkdir()
     for name in ("compare.json", "compare.png"):
         (tmp_path / "done" / name).write_text("an earlier comparison")
-    refused(args.split(), match, subprocess_="--devices 2" in args)
+    refused(args.split(), match, subprocess_="h100:1x2" in args)

@@ -167,3 +167,33 @@ def test_every_benchmark_answers_help(bench, capsys):
         bench.main(["--help"])
     assert exit_.value.code == 0
     assert f"python -m {bench.__name__}" in capsys.readouterr().out
+
+
+def test_calibrate_runs_tiny_on_cpu_and_writes_a_profile_plan_reads(tmp_path, capsys):
+    """benchmarks/calibrate.py is written for a GPU; here it runs tiny, as a smoke test."""
+    import json
+
+    from benchmarks import calibrate
+    from sharding.costmodel import plan
+    from sharding.targets import PROFILES, load_profile
+
+    argv = ["--devices", "8", "--target", "h100", "--matmul", "64", "--models", "tiny:2",
+            "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)]  # fmt: skip
+    assert calibrate.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "smoke test, not a calibration" in out and "llama tiny (2 layers)" in out
+    record = json.loads((tmp_path / "calibrate.json").read_text())
+    [row] = record["steps"]
+    assert row["fits"] and row["measured_s"] > 0 and row["predicted_s"] > 0
+    assert row["calibrated_s"] > row["predicted_s"]  # a CPU is far below an H100's 60%
+    spec = load_profile(tmp_path / "calibrate.toml")
+    assert spec.name == "h100-calibrated" and 0 < spec.matmul_fraction < 0.01
+    assert spec.peak_bf16 == PROFILES["h100"].peak_bf16
+    slow = plan(llama, size="tiny", target=f"{tmp_path / 'calibrate.toml'}:1x8", seq=16, aot=0)
+    fast = plan(llama, size="tiny", target="h100:1x8", seq=16, aot=0)
+    assert slow.shown[0].predicted.compute_s > fast.shown[0].predicted.compute_s
+    with pytest.raises(calibrate.CalibrateArgumentError, match=r"--models '9b'.*SIZE:LAYERS"):
+        calibrate.parse_models("9b")
+    with pytest.raises(SystemExit):
+        calibrate.main(["--help"])
+    assert "python -m benchmarks.calibrate" in capsys.readouterr().out

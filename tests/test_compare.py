@@ -1,8 +1,12 @@
-"""`spmdkit compare`: what it enumerates, how it picks, and one real end-to-end run."""
+"""`spmdkit compare`: what it enumerates, how it prices and picks, and end-to-end runs.
+
+Times are predicted for a target from each compiled program, so they and the recommendation are
+the same on every run; every sentence of the recommendation is checked against the table."""
 
 from __future__ import annotations
 
 import json
+from functools import cache
 
 import pytest
 
@@ -12,13 +16,16 @@ from sharding.comparison import (
     CompareArgumentError,
     NoStrategyFitsError,
     OutputExistsError,
-    Result,
+    Settings,
     check_output,
     compare,
+    evaluate,
+    rank,
     recommend,
 )
 from sharding.costmodel import Layout, layouts
 from sharding.inspection import Peak, UnknownDeviceKindError, device_peak, mfu
+from sharding.targets import target
 
 
 def labels(cands):
@@ -65,73 +72,115 @@ def test_peaks_by_device_kind():
     assert mfu(1e12, 0.5, Peak(4e12, 4, "cpu", "measured")) == 0.5
 
 
-def result(label: str, step_s: float, state: int, peak: int, comm: int = 0) -> Result:
-    strategy = label.split()[0]
-    cand = Layout(strategy, "data=8", "gpipe" if strategy == "pp" else None, 8)
-    return Result(cand, {"data": 8}, state // 3, state, peak, peak // 2, {}, comm, 1e9, 1.0,
-                  [step_s], 4096, [5.5], bubble=0.2 if strategy == "pp" else None)  # fmt: skip
+MiB = 2**20
 
 
-def test_recommends_the_fastest_that_fits_and_names_the_leanest():
-    results = [result("dp", 0.10, 3000, 3000, 10), result("fsdp", 0.12, 400, 500, 30),
-               result("pp", 0.11, 900, 1000, 20)]  # fmt: skip
-    free = recommend(results, 3000)
-    assert free.best.candidate.strategy == "dp"
-    assert any("fsdp needs the least" in line for line in free.lines)
-    tight = recommend(results, 3000, memory_budget=1000)
-    assert tight.best.candidate.strategy == "pp"
-    assert any("data parallelism alone cannot hold this model" in line for line in tight.lines)
+@cache
+def tiny(strategies: str, **kwargs):
+    """compare() on llama tiny, float32, h100:1x8, once per argument set for the module."""
+    return compare(llama, target="h100:1x8", strategies=strategies, dtype="float32", batch=16,
+                   seq=32, **dict(kwargs))  # fmt: skip
 
 
-def test_nothing_fits_says_the_smallest_memory_needed():
-    results = [result("dp", 0.10, 3000, 3000), result("fsdp", 0.12, 400, 500)]
-    with pytest.raises(
-        NoStrategyFitsError, match=r"no strategy fits 100 B per device; the least, fsdp .* 500 B"
-    ):
-        recommend(results, 3000, memory_budget=100)
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
-def test_compare_end_to_end(tmp_path, capsys):
+def test_llama_tiny_on_one_h100_node_is_data_parallel_and_says_why():
+    result = tiny("dp,fsdp,tp,pp")
+    ranked = result.ranked
+    best = result.recommendation.best
+    assert best is ranked[0] and best.label == "dp" and best.mesh == "data=8"
+    assert [c.step_s for c in ranked] == sorted(c.step_s for c in ranked)
+    lines = result.recommendation.lines
+    assert lines[0].startswith(f"dp on data=8: the fastest predicted step on h100:1x8 of the "
+                               f"{len(ranked)} candidates that fit")  # fmt: skip
+    assert ms(best.step_s) in lines[0]
+    assert any("it fits, so the guides' first choice is data parallelism" in x for x in lines)
+    assert "And dp is the fastest here too." in lines
+    nxt = next(x for x in lines if x.startswith("Next: "))
+    assert nxt.startswith(f"Next: {ranked[1].label} on {ranked[1].mesh} ({ms(ranked[1].step_s)}")
+    quiet = min(ranked, key=lambda c: c.collective_bytes)
+    loud = max(ranked, key=lambda c: c.collective_bytes)
+    traffic = next(x for x in lines if x.startswith("Traffic: "))
+    assert traffic.startswith(f"Traffic: {quiet.label} moves the least")
+    assert f"{loud.label} the most" in traffic
+    moved = next(x for x in lines if x.startswith("What it communicates"))
+    assert "all-reduce" in moved and "over data (8 devices, NVLink, inside a node)" in moved
+    assert any(x.startswith("Scaling, by the same model: on 16 devices (h100:2x8") for x in lines)
+    assert [(s.label, s.mesh) for s in result.skipped] == [("tp", "tensor=8")]  # kv_heads=4
+
+
+def test_the_prediction_is_deterministic_and_the_json_carries_its_assumptions():
+    result = tiny("dp,fsdp,tp,pp")
+    settings, tgt = Settings(16, 32), target("h100:1x8")
+    again = evaluate(Layout("dp", "data=8"), _workload(), settings, tgt, dtype="float32")[0]
+    dp = next(c for c in result.candidates if c.label == "dp")
+    assert again.step_s == dp.step_s and again.collectives == dp.collectives
+    record = json.loads(result.to_json())
+    assert record["ranked_by"] == "predicted" and record["target"]["name"] == "h100:1x8"
+    assert any("Matmuls run at 60%" in a for a in record["assumptions"])
+    steps = [c["predicted"]["step_s"] for c in record["candidates"]]
+    assert steps == sorted(steps)
+    gpipe = next(c for c in record["candidates"] if c["label"] == "pp gpipe m=8")
+    assert gpipe["bubble"] == pytest.approx(3 / 11, abs=1e-4)  # (p-1)/(m+p-1), p=4, m=8
+    assert gpipe["predicted"]["bubble_s"] > 0
+
+
+def _workload():
+    from sharding import Workload
+
+    return Workload.from_family(llama, llama.config("tiny"))
+
+
+def test_a_memory_budget_recommends_the_fastest_that_fits_without_contradiction():
+    free = tiny("dp,fsdp", remat="none")
+    dp, fsdp = (next(c for c in free.candidates if c.label == s) for s in ("dp", "fsdp"))
+    budget = (dp.memory_bytes + fsdp.memory_bytes) // 2  # between the two
+    assert fsdp.memory_bytes < budget < dp.memory_bytes
+    rec = recommend(free.candidates, free.unsplit_state, budget, free.target)
+    assert rec.best is fsdp
+    assert rec.lines[0].startswith("fsdp on fsdp=8: the fastest predicted step on h100:1x8 of "
+                                   "the 1 candidates that fit")  # fmt: skip
+    assert not any(x.startswith("Next: ") or x.startswith("Traffic: ") for x in rec.lines)
+    assert rank(free.candidates, budget) == [fsdp, dp]  # what fits first, then by memory
+    with pytest.raises(NoStrategyFitsError, match=r"no candidate fits 100 B per device on "
+                       r"h100:1x8; the least, fsdp on fsdp=8, needs"):  # fmt: skip
+        recommend(free.candidates, free.unsplit_state, 100, free.target)
+
+
+def test_one_mesh_says_which_strategies_it_cannot_hold():
+    """--mesh data=8 --strategies dp,fsdp,pp: pp is listed as skipped, and fsdp on fsdp=1
+    splits nothing but the batch (from its compiled shardings)."""
+    result = tiny("dp,fsdp,pp", mesh="data=8")
+    assert [(s.label, s.reason) for s in result.skipped] == [
+        ("pp", "--mesh data=8 has no stage axis; a pipeline needs stage >= 2")]  # fmt: skip
+    fsdp = next(c for c in result.candidates if c.layout.strategy == "fsdp")
+    assert fsdp.split == "batch data(8)\nweights whole" and fsdp.state_bytes == result.unsplit_state
+
+
+def test_remat_policies_are_candidates_when_asked():
+    result = tiny("dp", remat="none,full")
+    plain, full = sorted(result.candidates, key=lambda c: c.remat != "none")
+    assert (plain.label, full.label) == ("dp", "dp remat=full")
+    assert full.matmul_flops > plain.matmul_flops  # the forward again in the backward
+    assert full.predicted.compute_s > plain.predicted.compute_s
+
+
+def test_compare_cli_writes_json_and_a_png_with_the_recommendation(tmp_path, capsys):
     out = tmp_path / "cmp"
-    argv = ["compare", "--strategies", "dp,fsdp_tp,pp", "--batch", "16", "--seq", "32",
-            "--timed-steps", "2", "--warmup-steps", "1", "--out", str(out)]  # fmt: skip
+    argv = ["compare", "--strategies", "dp,fsdp_tp,pp", "--dtype", "float32", "--batch", "16",
+            "--seq", "32", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "Recommendation" in text and "strategies measured" in text
+    assert "Recommendation" in text and "ranked by step time predicted on h100:1x8" in text
     record = json.loads((out / "compare.json").read_text())
-    got = [r["candidate"]["label"] for r in record["results"]]
-    assert got == ["dp", "fsdp_tp", "pp gpipe m=8", "pp 1f1b m=8", "pp circular m=4 r=2"]
-    first = [r["losses"][0] for r in record["results"]]
-    assert max(first) - min(first) < 1e-5  # every strategy computes the same step
-    dp, fsdp_tp = record["results"][:2]
-    assert dp["state_bytes"] == record["unsplit_state_bytes"]
-    assert fsdp_tp["state_bytes"] < dp["state_bytes"] / 7  # weights and moments over 8 devices
-    assert all(r["mfu"] > 0 and len(r["step_times_s"]) == 2 for r in record["results"])
-    assert record["results"][2]["bubble"] == pytest.approx(
-        3 / 11, abs=1e-4
-    )  # (p-1)/(m+p-1), p=4, m=8
-    assert record["recommendation"]["strategy"] in got
+    assert record["recommendation"]["candidate"] == "dp"
+    assert {c["label"] for c in record["candidates"]} == {
+        "dp", "fsdp_tp", "pp gpipe m=8", "pp 1f1b m=8", "pp circular m=4 r=2"}  # fmt: skip
     assert (out / "compare.png").stat().st_size > 10_000
-
-
-def test_compare_unknown_peak_device_kind_message():
-    with pytest.raises(UnknownDeviceKindError, match="known kinds"):
-        device_peak("cpu")
-
-
-def test_compare_memory_budget_picks_what_fits(tmp_path, capsys):
-    out = tmp_path / "cmp"
-    out.mkdir()
-    (out / "compare.json").write_text("{}")  # an earlier run's, replaced under --overwrite
-    argv = ["compare", "--strategies", "dp,fsdp", "--batch", "16", "--seq", "32",
-            "--timed-steps", "1", "--warmup-steps", "0", "--memory", "4MiB", "--peak-tflops", "1",
-            "--out", str(out), "--overwrite"]  # fmt: skip
-    assert main(argv) == 0
-    text = capsys.readouterr().out
-    assert "data parallelism alone cannot hold this model" in text
-    record = json.loads((out / "compare.json").read_text())
-    assert record["recommendation"]["strategy"] == "fsdp"  # dp needs 5.3 MiB, fsdp 2.9 MiB
-    assert record["peak"]["source"] == "given" and record["peak"]["per_device"] == 1e12
+    assert main(argv) == 2  # the folder holds a comparison now
+    assert "pass --overwrite" in capsys.readouterr().err
 
 
 def test_compare_api_refuses_before_anything_compiles(tmp_path, unchanged):
@@ -143,14 +192,17 @@ def test_compare_api_refuses_before_anything_compiles(tmp_path, unchanged):
             ({"timed_steps": 0}, r"--timed-steps 0: give a whole number >= 1"),
             ({"warmup_steps": -1}, r"--warmup-steps -1: give a whole number >= 0"),
             ({"size": "13b"}, r"--size '13b': unknown llama size; sizes: tiny"),
-            ({"dtype": "float16"}, r"--dtype 'float16': choose one of float32, bfloat16"),
+            ({"dtype": "float16"}, r"--dtype 'float16': choose from float32, bfloat16"),
+            ({"remat": "some"}, r"--remat 'some': choose from none, dots, full"),
             ({"memory_budget": -5}, r"--memory -5: give the memory per device"),
-            ({"peak_tflops": float("inf")}, r"--peak-tflops inf: give the peak TFLOP/s"),
+            ({"target": "h100:2x8"}, r"--target h100:2x8 has 16 devices but this process has 8"),
         ]:
             with pytest.raises(CompareArgumentError, match=match):
                 compare(llama, **kwargs)
         with pytest.raises(CompareArgumentError, match=r"--seq 32: cnn tiny has no sequence axis"):
             compare(cnn, seq=32)
+        with pytest.raises(ValueError, match=r"unknown target 'h900' \(did you mean 'h200'\?\)"):
+            compare(llama, target="h900")
         with pytest.raises(
             OutputExistsError, match=r"already holds compare\.png; pass --overwrite"
         ):
@@ -158,18 +210,14 @@ def test_compare_api_refuses_before_anything_compiles(tmp_path, unchanged):
     assert check_output(tmp_path / "old", overwrite=True) == tmp_path / "old"
 
 
-def test_compare_measures_the_cnn_hybrid_beside_pure_dp(tmp_path):
+def test_compare_finds_the_cnn_hybrid_beside_pure_dp():
     """The guides' hybrid: convolutions data-parallel, the wide classifier split over tensor
-    (dp_tp on the CNN), measured beside pure dp: less traffic and less train state per device."""
-    out = tmp_path / "cnn"
-    argv = ["compare", "--model", "cnn", "--strategies", "dp,dp_tp", "--batch", "16",
-            "--timed-steps", "1", "--warmup-steps", "0", "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    record = json.loads((out / "compare.json").read_text())
-    rows = {r["candidate"]["strategy"]: r for r in record["results"]}
-    assert set(rows) == {"dp", "dp_tp"} and record["config"]["seq"] is None
+    (dp_tp on the CNN), compiled beside pure dp: less traffic and less train state per device."""
+    result = compare(cnn, strategies="dp,dp_tp", dtype="float32", batch=16)
+    rows = {c.layout.strategy: c for c in result.candidates}
     hybrid, dp = rows["dp_tp"], rows["dp"]
-    assert hybrid["mesh_sizes"]["tensor"] == 2 and hybrid["unit"] == "samples"
-    assert hybrid["collective_bytes"] < dp["collective_bytes"]
-    assert hybrid["state_bytes"] < dp["state_bytes"]
-    assert hybrid["losses"][0] == pytest.approx(dp["losses"][0], rel=1e-6)
+    assert hybrid.mesh_sizes["tensor"] == 2 and hybrid.unit == "samples"
+    assert result.settings.seq is None
+    assert hybrid.collective_bytes < dp.collective_bytes
+    assert hybrid.state_bytes < dp.state_bytes
+    assert "weights tensor(2)" in hybrid.split

@@ -31,6 +31,8 @@ from sharding.pipeline import make_schedule
 from sharding.targets import TargetError, TopologyError, UnknownTargetError
 
 RATE = 989.4e12 * 0.6  # bf16 matmul FLOP/s per H100 at the default fraction
+OP, HOP = 6.8e-6, 0.6e-6  # an NCCL op's start and one NVLink ring step (the h100 profile)
+AR8, AG8 = OP + 14 * HOP, OP + 7 * HOP  # latency of one all-reduce / all-gather over 8 GPUs
 NVLINK, IB = 450e9 * 0.8, 50e9 * 0.8
 BATCH, SEQ = 16, 32
 # llama tiny, forward matmul FLOPs per token: each layer 2 x (q 64x64 + k, v 64x32 + o 64x64 +
@@ -78,9 +80,9 @@ def test_intra_and_inter_node_groups_on_two_nodes():
         1.75,
     )
     assert tensor.bandwidth_s == pytest.approx(1.75 * 8e8 / NVLINK)
-    assert tensor.latency_s == pytest.approx(14 * 2e-6)
+    assert tensor.latency_s == pytest.approx(OP + 14 * HOP)
     assert (data.group, data.link, data.inside_node, data.factor) == (2, "InfiniBand", False, 1.0)
-    assert data.seconds == pytest.approx(1e9 / IB + 2 * 5e-6)
+    assert data.seconds == pytest.approx(1e9 / IB + OP + 2 * 5e-6)
     assert st.warnings == []
     # tensor=2,data=8: the tensor pairs stay on NVLink, the data ring of 8 crosses InfiniBand.
     st = _price({"tensor": 2, "data": 8},
@@ -88,28 +90,28 @@ def test_intra_and_inter_node_groups_on_two_nodes():
                 CollectiveWork("all-reduce", ("data",), 1e9, 1))  # fmt: skip
     tensor, data = st.collectives
     assert (tensor.link, tensor.factor) == ("NVLink", 1.0)  # 2(n-1)/n at n = 2
-    assert tensor.seconds == pytest.approx(8e8 / NVLINK + 2 * 2e-6)
+    assert tensor.seconds == pytest.approx(8e8 / NVLINK + OP + 2 * HOP)
     assert (data.link, data.factor, data.group) == ("InfiniBand", 1.75, 8)
-    assert data.seconds == pytest.approx(1.75 * 1e9 / IB + 14 * 5e-6)
+    assert data.seconds == pytest.approx(1.75 * 1e9 / IB + OP + 14 * 5e-6)
     # tensor across nodes: priced at InfiniBand and flagged.
     st = _price({"tensor": 16}, CollectiveWork("all-gather", ("tensor",), 1.6e9, 1))
     assert st.collectives[0].link == "InfiniBand"
-    assert st.collectives[0].seconds == pytest.approx(15 / 16 * 1.6e9 / IB + 15 * 5e-6)
+    assert st.collectives[0].seconds == pytest.approx(15 / 16 * 1.6e9 / IB + OP + 15 * 5e-6)
     assert st.warnings[0].startswith("tensor=16 spans 2 nodes")
 
 
 def test_latency_dominates_small_collectives():
-    # 10 all-gathers of 80 bytes over data=8 on one node: 10 x 7 hops x 2 us.
+    # 10 all-gathers of 80 bytes over data=8 on one node: 10 x (a start + 7 hops).
     st = _price({"data": 8}, CollectiveWork("all-gather", ("data",), 80, 10), tgt="h100")
     (c,) = st.collectives
-    assert c.latency_s == pytest.approx(10 * 7 * 2e-6)
+    assert c.latency_s == pytest.approx(10 * (OP + 7 * HOP))
     assert c.bandwidth_s == pytest.approx(7 / 8 * 80 / NVLINK)
     # a permute waits one hop per execution; unknown axes are priced over the whole mesh.
     st = _price({"stage": 2, "tensor": 8},
                 CollectiveWork("collective-permute", ("stage",), 1e6, 4),
                 CollectiveWork("all-reduce", None, 1e6, 1))  # fmt: skip
     permute, unknown = st.collectives
-    assert permute.seconds == pytest.approx(1e6 / IB + 4 * 5e-6)
+    assert permute.seconds == pytest.approx(1e6 / IB + 4 * (OP + 5e-6))
     assert (unknown.group, unknown.link, unknown.overlap) == (
         16,
         "InfiniBand",
@@ -125,42 +127,44 @@ def _work(**kw) -> StepWork:
 
 
 def test_gradient_reductions_hide_behind_the_backward_up_to_the_overlap():
-    # 1.44e9 bytes all-reduced over 8: 1.75 x 1.44e9 / 360e9 = 7 ms + 14 hops x 2 us.
+    # 1.44e9 bytes all-reduced over 8: 1.75 x 1.44e9 / 360e9 = 7 ms + a start and 14 NVLink hops (AR8).
     grad = CollectiveWork("all-reduce", ("data",), 1.44e9, 1)
     st = step_time(_work(collectives=[grad]), "h100")
     (c,) = st.collectives
-    assert c.seconds == pytest.approx(0.007 + 28e-6)
+    assert c.seconds == pytest.approx(0.007 + AR8)
     window = 0.8 * 2 / 3 * 0.01  # 80% of the backward, 2/3 of 10 ms
-    assert (c.overlap, c.exposed_s) == ("grad", pytest.approx(0.007028 - window))
-    assert st.step_s == pytest.approx(0.01 + 0.007028 - window)
+    assert (c.overlap, c.exposed_s) == ("grad", pytest.approx((0.007 + AR8) - window))
+    assert st.step_s == pytest.approx(0.01 + (0.007 + AR8) - window)
     # with remat full the backward (recompute included) is 3/4 of the matmul time
     st = step_time(_work(collectives=[grad], remat="full"), "h100")
-    assert st.exposed_comm_s == pytest.approx(0.007028 - 0.8 * 3 / 4 * 0.01)
+    assert st.exposed_comm_s == pytest.approx((0.007 + AR8) - 0.8 * 3 / 4 * 0.01)
     # a small reduction hides entirely
     st = step_time(_work(collectives=[dataclasses.replace(grad, bytes=1.44e8)]), "h100")
-    assert st.exposed_comm_s == 0 and st.comm_s == pytest.approx(0.0007 + 28e-6)
+    assert st.exposed_comm_s == 0 and st.comm_s == pytest.approx(0.0007 + AR8)
 
 
 def test_fsdp_gathers_share_the_compute_window_with_the_reductions():
-    # fsdp=8: 2 gathers of 2.88e9 bytes (7/8 of them -> 14 ms, + 2 x 7 hops of 2 us), one
-    # reduce-scatter of 2.88e9 bytes (7 ms + 7 hops). Window: 80% of 10 ms, the reduction's
+    # fsdp=8: 2 gathers of 2.88e9 bytes (7/8 of them -> 14 ms, + 2 x (a start + 7 hops)), one
+    # reduce-scatter of 2.88e9 bytes (7 ms + a start + 7 hops). Window: 80% of 10 ms, the reduction's
     # share 80% x 2/3 x 10 ms; the gathers get the rest.
     gather = CollectiveWork("all-gather", ("fsdp",), 2 * 2.88e9, 2)
     scatter = CollectiveWork("reduce-scatter", ("fsdp",), 2.88e9, 1)
     st = step_time(_work(mesh={"fsdp": 8}, collectives=[gather, scatter]), "h100")
     g, s = st.collectives
-    assert g.seconds == pytest.approx(0.014028) and s.seconds == pytest.approx(0.007014)
+    assert g.seconds == pytest.approx(0.014 + 2 * AG8) and s.seconds == pytest.approx(0.007 + AG8)
     hidden_grad = 0.8 * 2 / 3 * 0.01
-    assert s.exposed_s == pytest.approx(0.007014 - hidden_grad)
-    assert g.exposed_s == pytest.approx(0.014028 - (0.008 - hidden_grad))
-    assert st.exposed_comm_s == pytest.approx(0.021042 - 0.008)
+    assert s.exposed_s == pytest.approx((0.007 + AG8) - hidden_grad)
+    assert g.exposed_s == pytest.approx((0.014 + 2 * AG8) - (0.008 - hidden_grad))
+    assert st.exposed_comm_s == pytest.approx((0.021 + 3 * AG8) - 0.008)
 
 
 def test_tensor_collectives_permutes_and_pipelined_reductions_are_exposed():
     tp = CollectiveWork("all-reduce", ("tensor",), 3.6e8, 8)
     st = step_time(_work(mesh={"data": 2, "tensor": 4}, collectives=[tp]), "h100")
     assert st.collectives[0].overlap == "exposed: tensor-parallel, inside the layers"
-    assert st.exposed_comm_s == st.comm_s == pytest.approx(1.5 * 3.6e8 / NVLINK + 8 * 6 * 2e-6)
+    assert (
+        st.exposed_comm_s == st.comm_s == pytest.approx(1.5 * 3.6e8 / NVLINK + 8 * (OP + 6 * HOP))
+    )
     grad = CollectiveWork("all-reduce", ("data",), 1.44e8, 1)
     permute = CollectiveWork("collective-permute", ("stage",), 3.6e6, 10)
     st = step_time(_work(mesh={"stage": 2, "data": 4}, collectives=[grad, permute],
@@ -181,7 +185,7 @@ def test_a_toy_step_priced_by_hand():
     st = step_time(work, "h100:1x8")
     assert (st.matmul_s, st.bubble_s, st.memory_bound_s) == pytest.approx((0.008, 0.002, 0.001))
     assert st.compute_s == pytest.approx(0.009)
-    exposed = 0.007028 - 0.8 * 2 / 3 * 0.008
+    exposed = (0.007 + AR8) - 0.8 * 2 / 3 * 0.008
     assert st.exposed_comm_s == pytest.approx(exposed)
     step = 0.009 + exposed + 0.002
     assert st.step_s == pytest.approx(step)
@@ -194,7 +198,7 @@ def test_a_toy_step_priced_by_hand():
     assert data["collectives"][0]["axes"] == ["data"] and data["step_s"] == st.step_s
     text = " ".join(data["assumptions"])
     for figure in ("60% of the dense bfloat16 peak (989.4 TFLOP/s)", "593.6 TFLOP/s",
-                   "80% of 3350 GB/s HBM", "2 us over NVLink", "5 us over InfiniBand",
+                   "80% of 3350 GB/s HBM", "starts at 6.8 us", "0.6 us over NVLink", "5 us over InfiniBand",
                    "up to 80% of it", "90% of HBM", "MFU = model FLOPs"):  # fmt: skip
         assert figure in text
     assert "\n" not in st.describe() and st.describe().startswith("data=8 on h100:1x8: ")

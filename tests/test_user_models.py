@@ -153,10 +153,13 @@ def test_remat_without_a_stack_is_refused():
 
 
 def test_stack_inputs_without_a_batch_axis_are_refused_by_pipelines():
+    """A [S, D] position bias (S = 16) under a global batch of 32 rows: a plain scan takes it
+    as it is, a pipeline cannot cut it into micro-batches and says how to give it rows."""
     work = um.transformer("shared_bias")
-    program(work, "dp", "data=8")  # a plain scan takes them as they are
-    with pytest.raises(PipelineConfigError, match=r"pos_bias= of shape \(16, 32\).*broadcast"):
-        program(work, "pp", "stage=2,data=4", "gpipe")
+    build_program(work, "dp", "data=8", batch=32)
+    with pytest.raises(PipelineConfigError, match=r"pos_bias= of shape \(16, 32\).*first axis, "
+                       r"which must be the batch \(32 rows.*jnp.broadcast_to"):  # fmt: skip
+        build_program(work, "pp", "stage=2,data=4", batch=32, schedule="gpipe", microbatches=4)
 
 
 def test_unknown_stack_path_lists_the_submodules():

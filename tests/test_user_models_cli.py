@@ -68,3 +68,18 @@ def test_size_for_a_model_without_one_is_refused(model_file, capsys):
     assert main(["explain", "--model", f"{model_file}:cnn", "--size", "big", "--strategy", "dp",
                  "--mesh", "data=8"]) == 2  # fmt: skip
     assert "--size big: my_models.py:cnn takes no size= argument" in capsys.readouterr().err
+
+
+def test_compare_puts_the_user_cnn_hybrid_beside_pure_dp(model_file, tmp_path):
+    """The guides' hybrid on a CNN written by the user: convolutions data-parallel, the wide
+    classifier split over tensor (dp_tp), compiled beside pure dp for one H100 node."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--model", f"{model_file}:cnn", "--strategies", "dp,dp_tp",
+                 "--dtype", "float32", "--batch", "16", "--out", str(out)]) == 0  # fmt: skip
+    record = json.loads((out / "compare.json").read_text())
+    rows = {c["layout"]["strategy"]: c for c in record["candidates"]}
+    hybrid, dp = rows["dp_tp"], rows["dp"]
+    assert record["model"]["name"] == "tiny-cnn" and hybrid["unit"] == "samples"
+    assert hybrid["collective_bytes"] < dp["collective_bytes"]
+    assert hybrid["state_bytes"] < dp["state_bytes"]
+    assert hybrid["split"] == "batch data(4)\nweights tensor(2)"

@@ -1,7 +1,9 @@
-"""`spmdkit compare`: measure every strategy that fits on your model and devices, and choose.
+"""`spmdkit compare`: which strategy for your model on your cluster.
 
-With no arguments: llama tiny on 8 devices (simulated on a CPU-only host), every strategy and
-pipeline schedule, a few timed steps each after warm-up; prints one table and a recommendation,
+Every strategy and pipeline schedule is compiled for the target's device count (simulated on a
+CPU-only host, ahead of time from abstract shapes) and its step priced on the target from the
+compiled program: compute, exposed communication, bubble, memory per device. With no arguments:
+llama tiny on one node of 8 H100s, both dtypes; prints one ranked table and a recommendation,
 writes JSON and a PNG chart.
 """
 
@@ -12,7 +14,6 @@ from pathlib import Path
 
 from sharding.cli.common import (
     add_command,
-    add_devices_arg,
     add_model_args,
     console,
     non_negative_int,
@@ -30,33 +31,49 @@ class _Renamed(argparse.Action):
         self.new = new
 
     def __call__(self, parser, namespace, values, option_string=None):
-        raise argparse.ArgumentError(self, f"renamed: use {self.new} {values}")
+        raise argparse.ArgumentError(self, f"renamed: use {self.new.format(values)}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = add_command(sub, "compare", help="measure and compare strategies (the main job)",
-                    doc=__doc__, examples=["", "--strategies dp,fsdp --timed-steps 2",
-                                           "--model gpt2 --memory 80GB --out gpt2-compare"])  # fmt: skip
+    p = add_command(sub, "compare", help="which strategy for your model on your cluster (the main job)",
+                    doc=__doc__, examples=[
+                        "", "--target h100:4x8 --model llama --size 8b --batch 32 --seq 8192 "
+                        "--dtype bfloat16", "--strategies dp,fsdp --target a100:2x8",
+                        "--model cnn --strategies dp,dp_tp --out cnn-compare",
+                        "--model my_models.py:workload --target my_cluster.toml:2x8"])  # fmt: skip
     add_model_args(p)
-    add_devices_arg(p)
+    p.add_argument("--target", default="h100:1x8",
+                   help="the cluster to answer for: DEVICE[:NODESxPER_NODE] (h100, h200, b200, "
+                   "a100, v5e, v5p, v6e; e.g. h100:4x8) or a TOML device profile")  # fmt: skip
+    p.add_argument("--devices", action=_Renamed,
+                   new="--target DEVICE:NODESxPER_NODE, e.g. --target h100:1x{}")  # fmt: skip
     p.add_argument("--mesh", help="run every strategy on this one mesh instead of its own shape")
     p.add_argument("--strategies", help="comma-separated subset, e.g. dp,fsdp,pp (default: all)")
     p.add_argument("--batch", type=positive_int, default=32, help="global batch in sequences")
     p.add_argument("--seq", type=positive_int,
                    help="sequence length of a language model (when unset: 128; cnn and mlp "
                    "batches have no sequence axis)")  # fmt: skip
-    p.add_argument("--timed-steps", type=positive_int, default=8,
-                   help="timed steps per layout (the median is reported)")  # fmt: skip
-    p.add_argument("--warmup-steps", type=non_negative_int, default=2,
-                   help="untimed steps per layout before the timed ones")  # fmt: skip
-    p.add_argument("--steps", action=_Renamed, new="--timed-steps")
-    p.add_argument("--warmup", action=_Renamed, new="--warmup-steps")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="compute dtype")  # fmt: skip
-    p.add_argument("--memory", help="memory per device, e.g. 80GB: adds a fits column")
-    p.add_argument("--peak-tflops", type=float,
-                   help="peak TFLOP/s per device for MFU (when unset: the datasheet, or "
-                   "measured on CPU)")  # fmt: skip
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction,
+                   help="also time steps on this host's devices (when unset: on real devices, "
+                   "or for a model under 256 MiB of train state)")  # fmt: skip
+    p.add_argument("--timed-steps", type=positive_int, default=3,
+                   help="timed steps per candidate where measured (the median is shown)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=non_negative_int, default=1,
+                   help="untimed steps per candidate before the timed ones")  # fmt: skip
+    p.add_argument("--steps", action=_Renamed, new="--timed-steps {}")
+    p.add_argument("--warmup", action=_Renamed, new="--warmup-steps {}")
+    p.add_argument("--dtype", help="compute dtypes to compare, a comma list of float32, "
+                   "bfloat16 (when unset: both)")  # fmt: skip
+    p.add_argument("--remat", help="remat policies to compare, a comma list of none, dots, full "
+                   "(when unset: none, and dots / full / accumulation only where memory needs "
+                   "them)")  # fmt: skip
+    p.add_argument("--memory", help="memory per device a step may allocate, e.g. 40GB (when "
+                   "unset: 90%% of the target's HBM)")  # fmt: skip
+    p.add_argument(
+        "--peak-tflops",
+        action=_Renamed,
+        new="--target with a TOML device profile (peak_tflops_bf16 = {})",
+    )
     p.add_argument("--out", type=Path, default=Path("compare-out"),
                    help="folder for compare.json and compare.png")  # fmt: skip
     p.add_argument("--overwrite", action="store_true",
@@ -66,24 +83,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sharding.comparison import CompareError, check_output, compare
+    from sharding.targets import target
 
-    check_output(args.out, overwrite=args.overwrite)  # before anything is measured
-    setup_devices(args.mesh, args.devices)  # before the user's module can touch jax's backend
+    check_output(args.out, overwrite=args.overwrite)  # before anything is compiled
+    tgt = target(args.target)
+    setup_devices(args.mesh, tgt.devices)  # before the user's module can touch jax's backend
     work = workload_from_args(args)
     out = console()
     with _progress(out) as bars:
         try:
             result = compare(
                 work,
+                target=tgt,
                 batch=args.batch,
                 seq=args.seq,
                 dtype=args.dtype,
+                remat=args.remat,
+                measure=args.measure,
                 timed_steps=args.timed_steps,
                 warmup_steps=args.warmup_steps,
                 strategies=args.strategies,
                 mesh=args.mesh,
                 memory_budget=args.memory,
-                peak_tflops=args.peak_tflops,
                 on_progress=_Bars(bars),
             )
         except CompareError as e:  # show what was measured before the message

@@ -1,13 +1,21 @@
-"""Measure every strategy on one model and device count, and recommend: `spmdkit compare`.
+"""Which strategy for this model on this cluster: `spmdkit compare`.
 
 `compare` does all of it and returns a `Comparison` (`.table()`, `.to_json()`, `.plot(path)`,
-`.recommendation`). Its parts: the layouts come from `sharding.costmodel.layouts`, `measure`
-compiles and times one, `reference` compiles the unsplit step for MFU's numerator, `recommend` and
-`comparison_table` answer in the guides' terms, `plot` draws the figure. Every error is a
+`.recommendation`). Its parts: the layouts come from `sharding.costmodel.layouts`; `evaluate`
+compiles one candidate for the target's device count and prices it with
+`sharding.costmodel.step_time`; `measure_here` times steps on this process's devices;
+`reference_flops` compiles the unsplit step for MFU's numerator; `rank`, `recommend` and
+`comparison_table` answer in the guides' terms; `plot` draws the figure. Every error is a
 `CompareError`.
 """
 
-from sharding.comparison._compare import Comparison, check_output, compare
+from sharding.comparison._compare import (
+    DEFAULT_TARGET,
+    Comparison,
+    Skipped,
+    check_output,
+    compare,
+)
 from sharding.comparison._errors import (
     CompareArgumentError,
     CompareError,
@@ -15,27 +23,44 @@ from sharding.comparison._errors import (
     NothingMeasuredError,
     OutputExistsError,
 )
-from sharding.comparison._measure import CompareConfig, Result, Skipped, build, measure, reference
+from sharding.comparison._evaluate import (
+    Candidate,
+    Settings,
+    build,
+    evaluate,
+    measure_here,
+    reference_flops,
+)
 from sharding.comparison._plot import plot
-from sharding.comparison._verdict import Recommendation, comparison_table, recommend
+from sharding.comparison._verdict import (
+    Recommendation,
+    comparison_table,
+    rank,
+    recommend,
+    scaled,
+)
 
 __all__ = [
+    "DEFAULT_TARGET",
+    "Candidate",
     "CompareArgumentError",
-    "CompareConfig",
     "CompareError",
     "Comparison",
     "NoStrategyFitsError",
     "NothingMeasuredError",
     "OutputExistsError",
     "Recommendation",
-    "Result",
+    "Settings",
     "Skipped",
     "build",
     "check_output",
     "compare",
     "comparison_table",
-    "measure",
+    "evaluate",
+    "measure_here",
     "plot",
+    "rank",
     "recommend",
-    "reference",
+    "reference_flops",
+    "scaled",
 ]

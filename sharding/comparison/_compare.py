@@ -1,159 +1,52 @@
-"""`compare`: measure every strategy that fits on a model and these devices, and choose one.
+"""`compare`: which strategy for this model on this cluster, predicted from compiled programs.
 
-The layouts come from `sharding.costmodel.layouts` (each strategy on the mesh shape that suits
-it); a strategy's fallback shape runs only when its earlier shape failed, and every layout that
-cannot run is kept with the error that says why. `Comparison` holds what was measured, the
-reference FLOPs and peak behind MFU, and the recommendation.
+Each candidate (a layout from `sharding.costmodel.layouts`, at each compute dtype; remat and
+gradient accumulation added where memory needs them) is compiled for the target's device count
+on this host, ahead of time from abstract shapes, and its per-device FLOPs, collectives and
+memory are priced on the target by `sharding.costmodel.step_time` (`_evaluate`). The ranking is
+that predicted step time, the same on every run; steps timed here are only a sanity column on
+simulated devices, and the ranking on real ones. `Comparison` holds the candidates, what was
+skipped and why, and the recommendation (`_verdict`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from rich.console import Group
-
-from sharding._units import SizeFormatError, parse_bytes
+from sharding._devices import cpu_only
+from sharding._mesh import simulate_cpu_devices
+from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
 from sharding._workload import Workload
 from sharding.comparison._errors import (
     CompareArgumentError,
     CompareError,
-    NothingMeasuredError,
-    OutputExistsError,
 )
-from sharding.comparison._measure import CompareConfig, Result, Skipped, measure, reference
-from sharding.comparison._plot import plot
-from sharding.comparison._verdict import Recommendation, comparison_table, recommend
-from sharding.costmodel import Layout, layouts, strategy_names
-from sharding.inspection import Peak, host_peak
+from sharding.comparison._evaluate import (
+    Candidate,
+    Settings,
+    evaluate,
+    measure_here,
+    reference_flops,
+)
+from sharding.comparison._result import Comparison, Skipped, check_output
+from sharding.comparison._verdict import recommend
+from sharding.costmodel import MEMORY_FRACTION, Layout, layouts, strategy_names
+from sharding.targets import Target, target
 
 DTYPES = ("float32", "bfloat16")
-DEFAULT_SEQ = 128  # tokens per sequence when a language model is compared without --seq
-OUTPUTS = ("compare.json", "compare.png")
+REMATS = ("none", "dots", "full")
+DEFAULT_TARGET = "h100:1x8"
+DEFAULT_SEQ = 128  # tokens per sequence when a model with a sequence axis is compared without --seq
+MAX_ACCUM = 8  # gradient accumulation tried up to this many micro-steps where memory needs it
 REFERENCE_TASK = "unsplit step (1 device)"
 
-# on_progress(task, done, total, note): a task starts (done 0), advances a step, or is skipped
-# (note says so); tasks are the reference step and "LABEL on MESH" for each layout.
+# on_progress(task, done, total, note): a task starts (done 0), advances, or is skipped (note
+# says so); tasks are the reference step and "LABEL on MESH" for each candidate.
 Progress = Callable[[str, int, int, str | None], None]
-
-
-@dataclass
-class Comparison:
-    """What `compare` measured on one model and device count, and what it recommends.
-
-    ``results`` holds one `Result` per layout that ran, ``skipped`` the layouts that could not
-    (with the reason); ``recommendation`` is None only on a comparison attached to an error.
-    """
-
-    family: str
-    size: str
-    parameters: int
-    config: CompareConfig
-    devices: dict[str, Any]  # count, platform, kind
-    peak: Peak
-    useful_flops: float
-    unsplit_state: int
-    memory_budget: int | None
-    layouts: list[Layout]
-    results: list[Result]
-    skipped: list[Skipped]
-    elapsed_s: float
-    recommendation: Recommendation | None = None
-
-    @property
-    def shown_skips(self) -> list[Skipped]:
-        """The skipped layouts worth a line: not those of a strategy a later shape placed."""
-        shaped = {c.strategy for c in self.layouts if c.fallback}  # offered several shapes
-        placed = {r.candidate.strategy for r in self.results}
-        hidden = shaped & placed
-        return [s for s in self.skipped if s.candidate.strategy not in hidden]
-
-    def table(self) -> Group:
-        """The header line, the comparison table, skipped layouts and the recommendation."""
-        conf, dev = self.config, self.devices
-        parts: list[Any] = [
-            f"[bold]{self.family} {self.size}[/]: {self.parameters:,} parameters, global batch "
-            f"{_batch_text(conf)}, {conf.dtype}, {dev['count']} {dev['platform']} "
-            f"devices ({dev['kind']}); MFU against {self.peak.flops_per_s / 1e12:.3g} TFLOP/s "
-            f"({self.peak.source}), useful matmul FLOPs/step {self.useful_flops:.4g}"
-        ]
-        if self.results:
-            parts.append(comparison_table(self.results, self.unsplit_state, self.memory_budget))
-        for s in self.shown_skips:
-            first = s.reason.splitlines()[0]
-            parts.append(f"[yellow]skipped[/] {s.candidate.label} on {s.candidate.mesh}: {first}")
-        if self.recommendation is not None:
-            parts.append("[bold]Recommendation[/]")
-            for i, line in enumerate(self.recommendation.lines):
-                parts.append(("  -> " if i == 0 else "     ") + line)
-        parts.append(f"measured {len(self.results)} candidates in {self.elapsed_s:.0f} s")
-        return Group(*parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record `spmdkit compare` writes to compare.json."""
-        return {
-            "model": {"family": self.family, "size": self.size, "parameters": self.parameters},
-            "config": dataclasses.asdict(self.config),
-            "devices": dict(self.devices),
-            "peak": self.peak.to_dict(),
-            "useful_flops_per_step": self.useful_flops,
-            "unsplit_state_bytes": self.unsplit_state,
-            "memory_budget": self.memory_budget,
-            "results": [r.to_dict() for r in self.results],
-            "skipped": [
-                {"label": s.candidate.label, "mesh": s.candidate.mesh, "reason": s.reason}
-                for s in self.skipped
-            ],
-            "recommendation": None
-            if self.recommendation is None
-            else self.recommendation.to_dict(),
-            "elapsed_s": self.elapsed_s,
-        }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def plot(self, path: str | Path) -> Path:
-        """The PNG: step time, memory and collective bytes of each layout side by side."""
-        if not self.results:
-            raise NothingMeasuredError("nothing was measured, so there is nothing to plot")
-        return plot(self.results, Path(path), title=f"{self.family} {self.size}")
-
-    def save(self, out: str | Path, *, overwrite: bool = False) -> tuple[Path, Path]:
-        """Write compare.json and compare.png into the folder ``out`` (created if missing)."""
-        out = check_output(out, overwrite=overwrite)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = tuple(out / name for name in OUTPUTS)
-        paths[0].write_text(self.to_json())
-        self.plot(paths[1])
-        return paths
-
-
-def check_output(out: str | Path, *, overwrite: bool = False) -> Path:
-    """``out`` as a Path, if `Comparison.save` may write there: not a file (nor under one), and
-    holding no compare.json / compare.png unless ``overwrite``. Checks only; creates nothing."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(
-            f"--out {str(out)!r} is a file; compare writes {' and '.join(OUTPUTS)} into a folder: "
-            f"give a folder path, e.g. --out compare-out"
-        )
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise OutputExistsError(f"--out {str(out)!r}: {str(above)!r} is a file, not a folder")
-    held = [name for name in OUTPUTS if (out / name).exists()]
-    if held and not overwrite:
-        raise OutputExistsError(
-            f"--out {str(out)!r} already holds {' and '.join(held)}; pass --overwrite to replace "
-            f"them, or choose another --out"
-        )
-    return out
 
 
 def compare(
@@ -161,114 +54,204 @@ def compare(
     *,
     size: str | None = None,
     cfg: Any = None,
+    target: str | Target = DEFAULT_TARGET,
     batch: int = 32,
     seq: int | None = None,
-    dtype: str = "float32",
-    timed_steps: int = 8,
-    warmup_steps: int = 2,
+    dtype: str | Sequence[str] | None = None,
+    remat: str | Sequence[str] | None = None,
     strategies: str | Sequence[str] | None = None,
     mesh: str | dict | None = None,
     memory_budget: int | str | None = None,
-    peak_tflops: float | None = None,
+    measure: bool | None = None,
+    timed_steps: int = 3,
+    warmup_steps: int = 1,
     on_progress: Progress | None = None,
 ) -> Comparison:
-    """Measure every strategy on this process's devices and recommend one: `spmdkit compare`.
+    """Which strategy for ``model`` on ``target``: `spmdkit compare`.
 
-    Each strategy runs on the mesh shape that suits it (`sharding.costmodel.layouts`; a fallback
-    shape only when the earlier one failed), pipelines under each schedule; each layout is
-    compiled, run ``warmup_steps`` steps, then timed over ``timed_steps`` steps. Layouts that
-    cannot run are kept in ``skipped`` with the error. The recommendation is the fastest layout
-    that fits ``memory_budget``, explained with the measured figures.
+    Every layout (`sharding.costmodel.layouts`; a fallback shape only when the earlier failed)
+    at every dtype is compiled for the target's device count and priced there; where the plain
+    step does not fit, remat dots, then full, then gradient accumulation are tried. The ranking
+    is the predicted step time (on real devices, the measured one); the recommendation is the
+    fastest that fits, explained with the table's figures.
 
     Args:
-        model: a `sharding.Workload` (your model), or a shipped family module
-            (``models.llama``, ``models.cnn``) at ``size`` (default tiny) or ``cfg``.
-        size, cfg: a named size of a family, or its Config (then ``size`` is ignored).
-        batch, seq: global batch (sequences or samples per step) and, for a model with a
-            sequence axis, the sequence length (default 128); None for a model without one.
-        dtype: compute dtype, "float32" or "bfloat16".
-        timed_steps, warmup_steps: steps timed per layout, and untimed steps before them.
-        strategies: a subset of the presets (a comma list or a sequence; default: all).
-        mesh: run every strategy on this one mesh instead of its own shape.
-        memory_budget: bytes per device, or a size such as "80GB": adds a fits column and
-            recommends only what fits.
-        peak_tflops: peak TFLOP/s per device for MFU (default: the datasheet, or the matmul
-            roofline measured on CPU).
-        on_progress: ``(task, done, total, note)``, called when the reference step or a layout
-            starts (done 0), after each step, and when a layout is skipped (note "skipped").
+        model: a `sharding.Workload`, or a shipped family module at ``size`` (default tiny) or
+            ``cfg``.
+        target: a `sharding.targets.Target` or its text (``"h100:4x8"``, a TOML profile). On a
+            CPU-only host its device count is simulated (before JAX starts); elsewhere this
+            process must have exactly that many devices.
+        batch, seq: global batch and (for a model with a sequence axis) its length (default 128).
+        dtype, remat: narrow the candidates (a name, a comma list or a sequence); default: both
+            dtypes, and remat only where memory needs it.
+        strategies: a subset of the strategies (default: all); mesh: one mesh for all.
+        memory_budget: bytes per device a step may allocate (default: 90% of the target's HBM).
+        measure: also time steps on this process's devices (default: only where they are real
+            accelerators); timed_steps, warmup_steps: how many.
+        on_progress: ``(task, done, total, note)`` as candidates compile and run.
 
     Raises:
-        CompareArgumentError: an argument out of range (before anything compiles);
-            `NothingMeasuredError` / `NoStrategyFitsError` after measuring (the error's
-            ``comparison`` holds what was measured).
+        CompareArgumentError (before anything compiles), `NothingMeasuredError` /
+        `NoStrategyFitsError` after compiling (the error's ``comparison`` holds what was found).
 
     Example (with ``llama`` the model family module ``models.llama``):
-        >>> result = compare(llama, batch=16, seq=32, strategies="dp,fsdp",
-        ...                  timed_steps=2)  # doctest: +SKIP
-        >>> result.recommendation.best.candidate.label  # doctest: +SKIP
-        'fsdp'
+        >>> result = compare(llama, target="h100:1x8", strategies="dp,fsdp")  # doctest: +SKIP
+        >>> result.recommendation.best.label  # doctest: +SKIP
+        'dp bf16'
     """
-    import jax
-
     work = _workload(model, size, cfg)
-    seq = _check(work, batch, seq, dtype, timed_steps, warmup_steps)
-    budget = None if memory_budget is None else _bytes(memory_budget)
-    if peak_tflops is not None and not _positive(peak_tflops):
-        raise CompareArgumentError(
-            f"--peak-tflops {peak_tflops!r}: give the peak TFLOP/s of one device, a number > 0, "
-            f"e.g. --peak-tflops 989 (H100 bfloat16); leave it out to use the datasheet"
-        )
-    family, size = _names(work)
-    conf = CompareConfig(family, size, batch, seq, dtype, timed_steps, warmup_steps)
-    devices = jax.devices()
+    seq = _check(work, batch, seq, timed_steps, warmup_steps)
+    tgt = target if isinstance(target, Target) else _target(target)
+    dtypes, remats = _choices("--dtype", dtype, DTYPES), _choices("--remat", remat, REMATS)
+    budget = (int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_budget is None
+              else _bytes(memory_budget))  # fmt: skip
+    devices = _devices(tgt)
     depth = work.depth() or 0
-    todo = layouts(len(devices), depth, strategies=strategies, mesh=mesh)
-    if not todo:  # e.g. pp_tp on 2 devices: say so before compiling anything
-        names, on = ",".join(strategy_names(strategies)), f" on --mesh {mesh}" if mesh else ""
+    todo = layouts(tgt.devices, depth, strategies=strategies, mesh=mesh, batch=batch,
+                   per_node=tgt.per_node if tgt.nodes > 1 else None)  # fmt: skip
+    skipped = _without_layout(strategies, todo, tgt.devices, depth, mesh, work)
+    if not todo:
         raise CompareArgumentError(
-            f"--strategies {names}: none of them has a layout on {len(devices)} devices for "
-            f"{depth} layers{on}; use more --devices, another --mesh, or other --strategies"
+            f"--strategies {','.join(strategy_names(strategies))}: none of them has a layout on "
+            f"{tgt.devices} devices for {depth} layers{f' on --mesh {mesh}' if mesh else ''} "
+            f"({'; '.join(s.reason for s in skipped)}); use another --target, --mesh or "
+            f"--strategies"
         )
     progress = on_progress or (lambda *a: None)
-    peak = host_peak(devices, dtype=dtype, tflops=peak_tflops)
+    real = devices[0].platform != "cpu"
+    settings = Settings(batch, seq)
     started = time.perf_counter()
     progress(REFERENCE_TASK, 0, 1, None)
-    useful, unsplit = reference(work, conf)
+    useful, unsplit = reference_flops(work, settings, dtypes[0])
     progress(REFERENCE_TASK, 1, 1, None)
-    results, skipped, placed = [], [], set()
-    for cand in todo:
-        if cand.fallback and cand.strategy in placed:
+    if measure is None:
+        measure = real
+    found, notes, placed = [], [], set()
+    for layout in todo:
+        if layout.fallback and layout.strategy in placed:
             continue
-        task, total, done = f"{cand.label} on {cand.mesh}", warmup_steps + timed_steps, [0]
-
-        def step(task=task, total=total, done=done) -> None:
-            done[0] += 1
-            progress(task, done[0], total, None)
-
-        progress(task, 0, total, None)
-        try:
-            results.append(measure(cand, work, conf, useful_flops=useful, peak=peak,
-                                   on_step=step))  # fmt: skip
-            placed.add(cand.strategy)
-        except ValueError as e:  # a strategy the model or mesh cannot take: say why
-            skipped.append(Skipped(cand, f"{type(e).__name__}: {e}"))
-            progress(task, done[0], total, "skipped")
+        for dt in dtypes:
+            task = f"{layout.label}{' bf16' if dt == 'bfloat16' else ''} on {layout.mesh}"
+            progress(task, 0, 1, None)
+            try:
+                got = _variants(layout, work, settings, tgt, dt, remats, useful, budget, notes)
+            except ValueError as e:  # a layout the model or mesh cannot take: say why
+                skipped.append(Skipped(layout.label, layout.mesh, f"{type(e).__name__}: {e}"))
+                progress(task, 0, 1, "skipped")
+                break  # the same placement at every dtype
+            placed.add(layout.strategy)
+            for candidate, program in got:
+                if measure:
+                    measure_here(candidate, program, work, settings, warmup=warmup_steps,
+                                 timed=timed_steps)  # fmt: skip
+                found.append(candidate)
+            progress(task, 1, 1, None)
+    if measure and not real:
+        notes.append("'here' times steps on this host's simulated devices: they share its "
+                     "cores, so pipelines and collectives there predict no cluster")  # fmt: skip
+    name, size_name = _names(work)
     result = Comparison(
-        family, size, work.param_count(), conf,
+        name, size_name, work.param_count(), tgt, settings, dtypes,
         {"count": len(devices), "platform": devices[0].platform, "kind": devices[0].device_kind},
-        peak, useful, unsplit, budget, todo, results, skipped, time.perf_counter() - started,
+        real and measure, useful, unsplit, budget, found, skipped,
+        time.perf_counter() - started, notes,
     )  # fmt: skip
     try:
-        result.recommendation = recommend(results, unsplit, memory_budget=budget,
-                                          simulated=devices[0].platform == "cpu")  # fmt: skip
+        result.recommendation = recommend(found, unsplit, budget, tgt, measured=result.measured,
+                                          simulated=not real)  # fmt: skip
     except CompareError as e:
-        e.comparison = result  # what was measured, for the caller to show
+        e.comparison = result  # what was found, for the caller to show
         raise
     return result
 
 
-def _batch_text(conf: CompareConfig) -> str:
-    return f"{conf.batch} x {conf.seq} tokens" if conf.seq else f"{conf.batch} samples"
+def _variants(layout: Layout, work: Workload, settings: Settings, tgt: Target, dtype: str,
+              remats: tuple[str, ...] | None, useful: float, budget: int,
+              notes: list[str]) -> list[tuple[Candidate, Any]]:  # fmt: skip
+    """The candidates of one layout at one dtype: each asked remat policy, or (by default) the
+    plain step, then remat and accumulation, stopping at the first that fits ``budget``."""
+    if remats is not None:
+        return [evaluate(layout, work, settings, tgt, dtype=dtype, remat=r, useful_flops=useful)
+                for r in remats]  # fmt: skip
+    plan = [("none", 1), ("dots", 1), ("full", 1)]
+    plan += [("full", k) for k in (2, 4, 8) if k <= MAX_ACCUM and _splits(layout, settings, k)]
+    first = None
+    for remat, accum in plan:
+        got = evaluate(layout, work, settings, tgt, dtype=dtype, remat=remat, accum=accum,
+                       useful_flops=useful)  # fmt: skip
+        cand = got[0]
+        first = first or cand
+        if cand.memory_bytes <= budget:
+            if (remat, accum) != ("none", 1):
+                notes.append(f"{layout.label} ({dtype}) on {layout.mesh} needs "
+                             f"{fmt_bytes(first.memory_bytes)} per device as a plain step: "
+                             f"compared with remat={remat}, accum={accum}")  # fmt: skip
+            return [got]
+        if cand.state_bytes > budget:  # the train state alone: remat cannot help
+            break
+    return [got]
+
+
+def _splits(layout: Layout, settings: Settings, accum: int) -> bool:
+    sizes = layout.sizes
+    rows = settings.batch // accum if settings.batch % accum == 0 else 0
+    m = layout.microbatches or 1
+    return rows > 0 and rows % (sizes["data"] * sizes["fsdp"] * m) == 0
+
+
+def _without_layout(strategies, todo, devices, depth, mesh, work) -> list[Skipped]:
+    """A line for each strategy asked for that no layout places, and why."""
+    have = {c.strategy for c in todo}
+    out = []
+    for name in strategy_names(strategies):
+        if name in have:
+            continue
+        if name.startswith("pp") and work.stack is None:
+            why = f"the workload {work.name!r} names no layer stack to pipeline (stack=None)"
+        elif name.startswith("pp") and mesh is not None and "stage=" not in str(mesh):
+            why = f"--mesh {mesh} has no stage axis; a pipeline needs stage >= 2"
+        elif name.startswith("pp"):
+            why = (f"{depth} layers do not split into stages of {devices} devices (stages must "
+                   f"divide the layers)")  # fmt: skip
+        else:
+            why = (
+                f"no mesh shape of {devices} devices suits it{f' (--mesh {mesh})' if mesh else ''}"
+            )
+        out.append(Skipped(name, mesh or "-", why))
+    return out
+
+
+def _target(text: str) -> Target:
+    return target(text)
+
+
+def _devices(tgt: Target) -> list:
+    """This process's devices, simulated to the target's count on a CPU-only host."""
+    import jax
+
+    if cpu_only():
+        with contextlib.suppress(RuntimeError):  # JAX already started: checked below
+            simulate_cpu_devices(tgt.devices)
+    if jax.device_count() != tgt.devices:
+        raise CompareArgumentError(
+            f"--target {tgt.name} has {tgt.devices} devices but this process has "
+            f"{jax.device_count()} {jax.default_backend()} devices; on a CPU host simulate them "
+            f"before JAX starts (sharding.simulate_cpu_devices({tgt.devices}); spmdkit compare "
+            f"does), or choose a target of {jax.device_count()} devices"
+        )
+    return jax.devices()
+
+
+def _choices(flag: str, value: Any, known: tuple[str, ...]) -> tuple[str, ...] | None:
+    if value is None:
+        return known if flag == "--dtype" else None
+    asked = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    bad = [v for v in asked if v not in known]
+    if bad or not asked:
+        raise CompareArgumentError(
+            f"{flag} {','.join(map(str, asked))!r}: choose from {', '.join(known)} (a comma list)"
+        )
+    return tuple(dict.fromkeys(asked))
 
 
 def _workload(model: Any, size: str | None, cfg: Any) -> Workload:
@@ -300,7 +283,7 @@ def _names(work: Workload) -> tuple[str, str]:
     return work.name, "-"
 
 
-def _check(work: Workload, batch, seq, dtype, timed_steps, warmup_steps) -> int | None:
+def _check(work: Workload, batch, seq, timed_steps, warmup_steps) -> int | None:
     sequences = work.seq is not None
     if not sequences and seq is not None:
         raise CompareArgumentError(
@@ -319,8 +302,6 @@ def _check(work: Workload, batch, seq, dtype, timed_steps, warmup_steps) -> int 
             f"--seq {seq}: {' '.join(_names(work))} holds at most {limit} positions; use --seq "
             f"{limit} or less"
         )
-    if dtype not in DTYPES:
-        raise CompareArgumentError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     return seq
 
 

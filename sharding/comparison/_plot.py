@@ -1,45 +1,63 @@
-"""The PNG of `spmdkit compare`: speed, memory and traffic of each strategy side by side."""
+"""The PNG of `spmdkit compare`: each candidate's predicted step, split, and its memory."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from sharding._mesh import mesh_text
-from sharding.comparison._measure import Result
+from sharding._units import fmt_bytes
+from sharding.comparison._evaluate import Candidate
 
 __all__ = ["plot"]
 
 
-def plot(results: list[Result], path: Path, *, title: str = "") -> Path:
-    """Three bar panels sharing the strategy axis: step time, memory per device (what the compiled
-    step allocates, its train-state part darker), collective bytes per step."""
+def plot(
+    cands: list[Candidate], path: Path, *, title: str, target: Any, budget: int,
+    best: Candidate | None, measured: bool = False,
+) -> Path:  # fmt: skip
+    """Two panels sharing the candidate axis (ranked order): the step time on the target, split
+    into compute, exposed communication and bubble (measured time marked on real devices), and
+    the memory each compiled step allocates per device against the budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.candidate.label}\n{mesh_text(r.mesh_sizes)}" for r in results]
-    panels = [
-        ("step time (ms)", [r.step_time_s * 1e3 for r in results], "tab:blue"),
-        ("memory / device (MiB): train state (dark) + rest of the step",
-         [(r.peak_bytes or r.state_bytes) / 2**20 for r in results], "tab:olive"),
-        ("collective bytes / device / step (MiB)",
-         [r.collective_bytes / 2**20 for r in results], "tab:orange"),
-    ]  # fmt: skip
-    fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(results) + 1.8), sharey=True)
-    best = min(range(len(results)), key=lambda i: results[i].step_time_s)
-    for ax, (name, values, color) in zip(axes, panels, strict=True):
-        bars = ax.barh(range(len(values)), values, color=color)
-        bars[best].set_edgecolor("black")
-        bars[best].set_linewidth(1.5)
-        ax.set_title(name, fontsize=10)
+    labels = [f"{c.label}\n{c.mesh}" for c in cands]
+    rows = range(len(cands))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 0.42 * len(cands) + 2.4), sharey=True)
+    left = [0.0] * len(cands)
+    for name, color, part in (("compute", "tab:blue", lambda c: c.predicted.compute_s),
+                              ("exposed communication", "tab:orange",
+                               lambda c: c.predicted.exposed_comm_s),
+                              ("bubble", "tab:gray", lambda c: c.predicted.bubble_s)):  # fmt: skip
+        values = [part(c) * 1e3 for c in cands]
+        ax_t.barh(rows, values, left=left, color=color, label=name)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    for i, c in enumerate(cands):
+        ax_t.text(left[i], i, f" {left[i]:.3g}", va="center", fontsize=7)
+        if measured and c.measured_step_s is not None:
+            ax_t.plot(c.measured_step_s * 1e3, i, "k|", markersize=12)
+    ax_t.set_title(f"step time on {target.name} (ms, {'measured |' if measured else 'predicted'})",
+                   fontsize=10)  # fmt: skip
+    ax_t.legend(fontsize=7, loc="lower right")
+    mem = [c.memory_bytes / 2**20 for c in cands]
+    colors = ["tab:green" if c.memory_bytes <= budget else "tab:red" for c in cands]
+    ax_m.barh(rows, mem, color=colors)
+    ax_m.axvline(budget / 2**20, color="black", linestyle="--", linewidth=1)
+    ax_m.set_title(f"memory / device (MiB); dashed: budget {fmt_bytes(budget)}", fontsize=10)
+    for ax in (ax_t, ax_m):
         ax.grid(axis="x", alpha=0.3)
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.3g}", va="center", fontsize=7)
-    axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
-    axes[0].invert_yaxis()
-    axes[1].barh(range(len(results)), [r.state_bytes / 2**20 for r in results], color="tab:green")
-    fig.suptitle(f"spmdkit compare: {title} (outlined: fastest)", fontsize=11)
+    ax_t.set_yticks(list(rows), labels, fontsize=7)
+    ax_t.invert_yaxis()
+    if best is not None and best in cands:
+        i = cands.index(best)
+        ax_t.get_yticklabels()[i].set_fontweight("bold")
+    pick = "none fits" if best is None else f"recommended: {best.label} on {best.mesh}"
+    how = ("measured on these devices" if measured else
+           "predicted from each compiled program, not measured")  # fmt: skip
+    fig.suptitle(f"spmdkit compare: {title} on {target.describe().split(';')[0]}\n{pick} "
+                 f"(times {how})", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -3,9 +3,12 @@
 `layouts` lists the ways to split a model over N devices (`Layout`: a strategy on a mesh, with a
 pipeline schedule), for `spmdkit compare` and `spmdkit plan` alike. `predict` gives one step's
 per-device collective bytes (by kind and mesh axes), memory and FLOPs for a language-model family
-on any mesh, without devices; `candidates` ranks every layout by an estimated step time on a
-`DeviceProfile` (each an `Estimate`); `compile_candidate` checks one against an ahead-of-time
-compile; `plan` does all of it for `spmdkit plan`. Every error is a `CostModelError`.
+on any mesh, without devices. `step_time` prices a step's work (`StepWork`, from a compiled
+program's report or a prediction) on a `sharding.targets.Target`: the one step-time model of
+compare and plan. `candidates` ranks every layout of a family on a target from the closed forms,
+`compiled_candidates` a few layouts of any workload from their compiled programs (each an
+`Estimate`); `check_candidate` compiles one estimate for the target beside its formula (`Check`);
+`plan` does all of it for `spmdkit plan`. Every error is a `CostModelError`.
 """
 
 from sharding.costmodel._layouts import (
@@ -16,19 +19,22 @@ from sharding.costmodel._layouts import (
     meshes,
     strategy_names,
 )
-from sharding.costmodel._plan import DEFAULT_SIZES, PlanError, PlanResult, plan
+from sharding.costmodel._plan import DEFAULT_SIZES, MAX_AOT_DEVICES, PlanError, PlanResult, plan
 from sharding.costmodel._predict import LM_FAMILIES, CostModelError, Prediction, predict
 from sharding.costmodel._search import (
-    PROFILES,
-    DeviceProfile,
+    MAX_COMPILES,
+    Check,
     Estimate,
     NoFittingStrategyError,
     NoValidLayoutError,
     candidates,
-    comm_seconds,
-    compile_candidate,
+    check_candidate,
+    compiled_candidates,
+    few_layouts,
+    memory_budget,
 )
 from sharding.costmodel._steptime import (
+    MEMORY_FRACTION,
     CollectiveTime,
     CollectiveWork,
     StepTime,
@@ -44,12 +50,14 @@ from sharding.costmodel._traffic import Traffic
 __all__ = [
     "DEFAULT_SIZES",
     "LM_FAMILIES",
+    "MAX_AOT_DEVICES",
+    "MAX_COMPILES",
+    "MEMORY_FRACTION",
     "ORDER",
-    "PROFILES",
+    "Check",
     "CollectiveTime",
     "CollectiveWork",
     "CostModelError",
-    "DeviceProfile",
     "Estimate",
     "Layout",
     "NoFittingStrategyError",
@@ -63,9 +71,11 @@ __all__ = [
     "Traffic",
     "UnknownStrategyError",
     "candidates",
-    "comm_seconds",
-    "compile_candidate",
+    "check_candidate",
+    "compiled_candidates",
+    "few_layouts",
     "layouts",
+    "memory_budget",
     "meshes",
     "plan",
     "predict",

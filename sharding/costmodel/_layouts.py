@@ -75,6 +75,7 @@ class Layout:
         optimizer: Any,
         dtype: str = "float32",
         remat: str = "none",
+        accum_steps: int = 1,
         devices: list | None = None,
     ) -> Any:
         """The `TrainProgram` of this layout on ``devices`` (default: all), by the one recipe
@@ -91,7 +92,7 @@ class Layout:
         piped = self.schedule is not None
         return build_program(
             workload, self.strategy, self.mesh, batch=batch, seq=seq, optimizer=optimizer,
-            compute_dtype=dtype, remat=remat, schedule=self.schedule,
+            compute_dtype=dtype, remat=remat, accum_steps=accum_steps, schedule=self.schedule,
             microbatches=self.microbatches, repeats=self.repeats if piped else None,
             devices=devices,
         )  # fmt: skip
@@ -159,6 +160,7 @@ def layouts(
     mesh: str | dict | None = None,
     search: bool = False,
     batch: int | None = None,
+    per_node: int | None = None,
 ) -> list[Layout]:
     """The layouts to try on ``devices`` devices for a model of ``n_layers`` layers.
 
@@ -168,7 +170,10 @@ def layouts(
     ``search`` (`spmdkit plan`), every factorisation of the devices the strategy's rules can use
     (``tp`` and ``dp_tp`` one map, named by the data axis), pipelines under gpipe and 1f1b with
     the most micro-batches of 4p, 2p, p that ``batch`` splits into. With ``mesh`` every strategy
-    runs on that one mesh. A pipeline needs its stages (times repeats) to divide ``n_layers``.
+    runs on that one mesh. A pipeline needs its stages (times repeats) to divide ``n_layers``;
+    given ``batch``, compare's pipelines take 2 x stages micro-batches, or stages, whichever the
+    batch splits into. With ``per_node`` (devices per node of a multi-node target) the tensor
+    strategies are also tried with tensor spanning one node, the data or fsdp axis across nodes.
 
     Example:
         >>> [x.label for x in layouts(8, 4, strategies="dp,pp")]
@@ -190,6 +195,7 @@ def layouts(
                       if a not in allowed) and all(s[a] > 1 for a in needs)]  # fmt: skip
         else:
             shapes = [MeshSpec.of(t).resolve(devices).sizes for t in _suggested(name, devices)]
+        node_wide = _node_wide(name, devices, per_node) if given is None and not search else []
         for alt, sizes in enumerate(shapes):
             strategy = name
             if search and name in ("tp", "dp_tp"):
@@ -200,9 +206,31 @@ def layouts(
             if search:
                 pipes = _searched_pipelines(sizes, n_layers, batch)
             else:
-                pipes = _compare_pipelines(name, sizes, n_layers, devices, fixed=given is not None)
+                pipes = _compare_pipelines(name, sizes, n_layers, devices, fixed=given is not None,
+                                           batch=batch)  # fmt: skip
             out += [Layout(strategy, mesh_text(at), s, m, r) for s, m, r, at in pipes]
+        for text in node_wide:
+            sizes = MeshSpec.of(text).resolve(devices).sizes
+            if mesh_text(sizes) in {x.mesh for x in out if x.strategy == name}:
+                continue
+            if name in PIPELINE_STRATEGIES:
+                pipes = _compare_pipelines(name, sizes, n_layers, devices, fixed=True, batch=batch)
+                out += [Layout(name, mesh_text(at), s, m, r) for s, m, r, at in pipes]
+            else:
+                out.append(Layout(name, mesh_text(sizes)))
     return out
+
+
+def _node_wide(name: str, n: int, per_node: int | None) -> list[str]:
+    """Shapes with tensor over one whole node and the batch axis across nodes (the guides'
+    rule for a multi-node cluster: tensor parallelism inside the fast interconnect)."""
+    if per_node is None or per_node < 2 or n <= per_node or n % per_node:
+        return []
+    across = n // per_node
+    return {"tp": [f"data={across},tensor={per_node}"],
+            "dp_tp": [f"data={across},tensor={per_node}"],
+            "fsdp_tp": [f"fsdp={across},tensor={per_node}"],
+            "pp_tp": [f"stage={across},tensor={per_node}"] if across >= 2 else []}.get(name, [])  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
@@ -227,7 +255,13 @@ def _suggested(name: str, n: int) -> list[str]:
 
 
 def _compare_pipelines(
-    name: str, sizes: dict[str, int], n_layers: int, devices: int, *, fixed: bool
+    name: str,
+    sizes: dict[str, int],
+    n_layers: int,
+    devices: int,
+    *,
+    fixed: bool,
+    batch: int | None = None,
 ) -> list[tuple[str, int, int, dict[str, int]]]:
     out = []
     for schedule in COMPARE_SCHEDULES.get(name, ("gpipe",)):
@@ -240,7 +274,9 @@ def _compare_pipelines(
         stages = at["stage"]
         if stages < 2 or n_layers % (stages * repeats):
             continue
-        out.append((schedule, 2 * stages, repeats, at))
+        split = at["data"] * at["fsdp"]
+        fitting = [m for m in (2 * stages, stages) if batch is None or batch % (m * split) == 0]
+        out.append((schedule, fitting[0] if fitting else 2 * stages, repeats, at))
     return out
 
 

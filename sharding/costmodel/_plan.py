@@ -1,13 +1,13 @@
-"""`plan`: rank strategies and meshes for a model on N devices before owning them (`spmdkit plan`).
+"""`plan`: rank strategies and meshes for a model on a target cluster (`spmdkit plan`).
 
-The ranking comes from the cost model (no devices, any size). For meshes small enough to simulate
-here, the top layouts are also compiled ahead of time on simulated CPU devices from abstract
-shapes, and their compiled memory shown beside the prediction.
+A language-model family is ranked from the closed forms (no devices, any size) priced by the one
+step-time model on the target; when the target has at most `MAX_AOT_DEVICES` devices, its top
+layouts are also compiled for it from abstract shapes (compare's path) and both predictions shown
+side by side. Any other workload is ranked from compiled programs of a few layouts per strategy.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -20,9 +20,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from sharding._devices import cpu_only
-from sharding._mesh import simulate_cpu_devices
 from sharding._units import SizeFormatError, fmt_bytes, fmt_count, parse_bytes
+from sharding._workload import Workload
 from sharding.costmodel._layouts import strategy_names
 from sharding.costmodel._predict import (
     DTYPE_BYTES,
@@ -31,17 +30,21 @@ from sharding.costmodel._predict import (
     CostModelError,
 )
 from sharding.costmodel._search import (
-    PROFILES,
-    DeviceProfile,
+    MAX_COMPILES,
     Estimate,
     candidates,
-    compile_candidate,
+    check_top,
+    compiled_candidates,
+    devices_here,
+    memory_budget,
 )
+from sharding.targets import Target
+from sharding.targets import target as to_target
 
 # Simulating more CPU devices than this makes an AOT compile too slow to be worth waiting for.
 MAX_AOT_DEVICES = 64
-# The size `plan` takes when none is given: the largest of each family that fits the default
-# 8 devices of the default kind (llama 70b needs more than 8 x 80 GB).
+# The size `plan` takes for a family when none is given: the largest of each language-model
+# family that fits the default target, 8 H100s (llama 70b needs more than 8 x 80 GB); others tiny.
 DEFAULT_SIZES = {"llama": "7b", "gpt2": "1.5b"}
 
 
@@ -53,20 +56,21 @@ class PlanError(CostModelError):
 class PlanResult:
     """The ranked layouts of one `plan` call, with what the ranking assumed.
 
-    ``ranked`` holds every layout (fitting ones first, by estimated step time); ``shown`` the
-    first ``top`` of them, which `table`, `to_dict` and `to_json` report.
+    ``ranked`` holds every layout (fitting ones first, by predicted step time on the target);
+    ``shown`` the first ``top`` of them, which `table`, `to_dict` and `to_json` report; every
+    layout compiled for the target carries a `Check` (``checked``).
     """
 
-    family: str
+    model: str
     size: str
-    layers: int
-    devices: int
+    layers: int | None
+    target: Target
     memory_bytes: int
     batch: int
-    seq: int
+    seq: int | None
     dtype: str
     optimizer: str
-    profile: DeviceProfile
+    source: str  # "formula" or "compiled program"
     search_s: float
     ranked: list[Estimate]
     top: int
@@ -74,175 +78,297 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def devices(self) -> int:
+        return self.target.devices
+
+    @property
     def shown(self) -> list[Estimate]:
         return self.ranked[: self.top]
 
+    @property
+    def checked(self) -> list[tuple[int, Estimate]]:
+        """(rank from 1, estimate) of every layout compiled beside its formula."""
+        return [(i, c) for i, c in enumerate(self.ranked, 1) if c.check is not None]
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.family, "size": self.size, "layers": self.layers,
-            "devices": self.devices, "memory_bytes": self.memory_bytes, "batch": self.batch,
-            "seq": self.seq, "dtype": self.dtype, "search_s": self.search_s,
-            "assumptions": self.assumptions + self.notes,
+            "model": self.model, "size": self.size, "layers": self.layers,
+            "target": self.target.to_dict(), "devices": self.devices,
+            "memory_bytes": self.memory_bytes, "batch": self.batch, "seq": self.seq,
+            "dtype": self.dtype, "optimizer": self.optimizer, "source": self.source,
+            "search_s": self.search_s, "assumptions": self.assumptions + self.notes,
             "candidates": [c.to_dict() for c in self.shown],
+            "checked": [{"rank": i, "label": c.label, "mesh": c.mesh_text, "remat": c.remat,
+                         **c.check.to_dict()} for i, c in self.checked],
         }  # fmt: skip
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     def table(self) -> Group:
-        """The ranking as a table, then the assumptions behind it (dim)."""
-        shown = self.shown
+        """The ranking, the formula-vs-compiled checks, then the assumptions behind them (dim)."""
+        shown, unit = self.shown, self.ranked[0].predicted.unit
+        name = " ".join(filter(None, (self.model, self.size)))
+        layers = f" ({self.layers} layers)" if self.layers else ""
+        seq = f" x seq {self.seq}" if self.seq else ""
         table = Table(
-            title=f"{self.family} {self.size} ({self.layers} layers) on {self.devices} devices of "
-            f"{fmt_bytes(self.memory_bytes)}: batch {self.batch} x seq {self.seq}; "
-            f"{sum(c.fits for c in shown)} of the top {len(shown)} fit (searched in "
-            f"{self.search_s:.1f} s)",
+            title=f"{name}{layers} on {self.target.name} ({self.devices} "
+            f"devices, {fmt_bytes(self.memory_bytes)} each usable): batch {self.batch}{seq}, "
+            f"{self.dtype}; {sum(c.fits for c in shown)} of the top {len(shown)} fit; priced "
+            f"from the {self.source} (searched in {self.search_s:.1f} s)",
             title_justify="left",
         )
-        for col in ("#", "strategy", "mesh", "pipeline", "remat", "memory/device", "fits",
-                    "compiled", "comm/step", "step (compute+comm)", "tokens/s"):  # fmt: skip
-            left = col in ("strategy", "mesh", "pipeline")
-            table.add_column(col, justify="left" if left else "right")
+        for col in ("#", "layout", "mesh", "memory/device", "fits", "comm/step", "step",
+                    "compute", "exposed comm", "bubble", f"{unit}/s/device", "MFU"):  # fmt: skip
+            left = col in ("layout", "mesh")
+            table.add_column(col, justify="left" if left else "right", no_wrap=left)
+        warned = []
         for i, c in enumerate(shown, 1):
-            p = c.prediction
-            pipe = f"{p.pipeline['name']} m={p.pipeline['microbatches']}" if p.pipeline else "-"
-            compiled = "-"
-            if c.compiled_memory is not None:
-                err = (p.memory_bytes - c.compiled_memory) / c.compiled_memory
-                compiled = f"{fmt_bytes(c.compiled_memory)} ({err:+.0%})"
+            p = c.predicted
+            warned += [w for w in p.warnings if w not in warned]
             table.add_row(
-                str(i), p.strategy, c.mesh_text, pipe, p.remat, fmt_bytes(p.memory_bytes),
-                "[green]yes[/green]" if c.fits else "[red]no[/red]", compiled,
-                fmt_bytes(p.collective_bytes()),
-                f"{c.step_s * 1e3:,.0f} ms ({c.compute_s * 1e3:,.0f}+{c.comm_s * 1e3:,.0f})",
-                fmt_count(p.batch * p.seq / c.step_s),
+                str(i), _label(c), c.mesh_text + (" !" if p.warnings else ""),
+                fmt_bytes(c.memory_bytes), "[green]yes[/green]" if c.fits else "[red]no[/red]",
+                fmt_bytes(c.collective_bytes), _t(p.step_s), _t(p.compute_s),
+                _t(p.exposed_comm_s), _t(p.bubble_s), fmt_count(p.throughput_per_device),
+                "-" if p.mfu is None else f"{p.mfu:.1%}",
             )  # fmt: skip
-        lines = [Text(f"- {line}", style="dim") for line in self.assumptions + self.notes]
-        return Group(table, *lines)
+        parts: list[Any] = [table]
+        if self.checked:
+            parts.append(self._check_table())
+        lines = [f"! {w}" for w in warned] + self.assumptions + self.notes
+        return Group(*parts, *(Text(f"- {line}", style="dim") for line in lines))
+
+    def _check_table(self) -> Table:
+        dtypes = sorted({c.check.dtype for _, c in self.checked})
+        table = Table(
+            title=f"formula vs compiled program for the top layouts, both priced on "
+            f"{self.target.name} at {', '.join(dtypes)}",
+            title_justify="left",
+        )
+        for col in ("#", "layout", "per device per step", "formula", "compiled", "error"):
+            left = col in ("layout", "per device per step")
+            table.add_column(col, justify="left" if left else "right", no_wrap=left)
+        for i, c in self.checked:
+            pairs, err = c.check.pairs(), c.check.errors()
+            head = [str(i), f"{_label(c)} {c.mesh_text}"]
+            for key, what, fmt in _CHECKED:
+                f, m = pairs[key]
+                e = err[key]
+                table.add_row(*head, what, fmt(f), "-" if m is None else fmt(m),
+                              "-" if e is None else f"{e:+.1%}")  # fmt: skip
+                head = ["", ""]
+            table.add_row("", "", "compile time", "", f"{c.check.compiled.compile_time_s:.1f} s",
+                          "", end_section=True)  # fmt: skip
+        return table
+
+
+def _label(c: Estimate) -> str:
+    return c.label + (f" remat={c.remat}" if c.remat != "none" else "")
+
+
+def _t(seconds: float) -> str:
+    """Seconds in the unit that suits them: us, ms or s, three significant digits."""
+    if seconds == 0:
+        return "0"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+# The figures the check table shows, formula beside compiled: (Check.pairs key, name, format).
+_CHECKED = (
+    ("step_s", "step time", _t), ("compute_s", "  compute", _t),
+    ("exposed_comm_s", "  exposed communication", _t), ("bubble_s", "  bubble", _t),
+    ("collective_bytes", "collective bytes", fmt_bytes),
+    ("matmul_flops", "matmul FLOPs (critical path)", fmt_count),
+    ("memory_bytes", "memory", fmt_bytes),
+)  # fmt: skip
 
 
 def plan(
-    family: Any,
+    model: Any,
     *,
     size: str | None = None,
     cfg: Any = None,
-    devices: int = 8,
+    target: Target | str = "h100:1x8",
     memory: int | str | None = None,
-    device_kind: str = "h100-80gb",
     batch: int | None = None,
     seq: int | None = None,
     layers: int | None = None,
     strategies: str | Sequence[str] | None = None,
-    dtype: str = "float32",
+    dtype: str = "bfloat16",
     optimizer: str = "adamw",
     top: int = 12,
     aot: int | None = None,
 ) -> PlanResult:
-    """Rank every (strategy, mesh, schedule, remat) layout of ``devices`` devices for a model.
+    """Rank every (strategy, mesh, schedule, remat) layout of a model on a target cluster.
 
     Args:
-        family: a language-model family module (``models.llama``, ``models.gpt2``).
-        size, cfg: a named size of the family (default: `DEFAULT_SIZES`, the largest that fits
-            the default 8 devices) or a Config; ``layers`` overrides its layer count.
-        devices: the number of devices the mesh spans (none need exist here).
-        memory: bytes per device, or a size such as "80GB" (default: the device kind's).
-        device_kind: a `PROFILES` entry: peak FLOP/s and link bandwidths.
-        batch, seq: global batch in sequences (default: ``devices``) and sequence length
-            (default: min(4096, the model's maximum)).
+        model: a `sharding.Workload` (yours, or a shipped family's), or a family module
+            (``models.llama``). llama and gpt2 are ranked from closed forms; any other model
+            from the compiled programs of a few layouts per strategy (`few_layouts`), which
+            needs the target's devices simulated here (at most `MAX_AOT_DEVICES`).
+        size, cfg: with a family module, a named size (default: `DEFAULT_SIZES`, else "tiny")
+            or a Config; ``layers`` overrides a shipped config's layer count.
+        target: the cluster, e.g. ``"h100:64x8"`` (64 nodes of 8 H100s), a
+            `sharding.targets.Target`, or a TOML device profile: devices, peaks, HBM, links.
+        memory: bytes a step may fill per device, or a size such as "70GB" (default: 90% of
+            the target's HBM, as `step_time` counts a fit).
+        batch, seq: global batch (default: the target's devices) and sequence length (default:
+            min(4096, a family's maximum), or the workload's own).
         strategies: a subset of the presets (a comma list or a sequence; default: all).
         dtype, optimizer: compute dtype and optimizer ("adamw", "adam", "sgd").
         top: how many layouts the result shows.
-        aot: AOT-compile this many of the top fitting layouts on simulated CPU devices (default:
-            2 when ``devices`` <= 64; skipped, with a note, when this process cannot hold
-            ``devices`` devices). Simulating fixes this process's CPU device count.
+        aot: compile this many of the top fitting layouts for the target beside their formula
+            (default: 2 when the target has at most `MAX_AOT_DEVICES` devices; skipped, with a
+            note, when this process holds another device count). On a CPU host a bfloat16
+            plan is checked at float32 (XLA:CPU carries bfloat16 collectives in float32).
+            Simulating CPU devices fixes this process's device count.
 
     Raises:
         PlanError: an argument out of range; `NoFittingStrategyError`, `NoValidLayoutError` from
-            the search.
+            the search; `sharding.targets.TargetError` for a target it cannot read.
 
     Example (with ``llama`` the model family module ``models.llama``):
-        >>> result = plan(llama, size="70b", devices=512, memory="80GB", top=3)  # doctest: +SKIP
-        >>> result.shown[0].fits  # doctest: +SKIP
-        True
+        >>> result = plan(llama, size="70b", target="h100:64x8", top=3)  # doctest: +SKIP
+        >>> result.shown[0].fits, result.devices  # doctest: +SKIP
+        (True, 512)
     """
-    name = getattr(family, "NAME", None)
-    if name not in LM_FAMILIES:
-        raise PlanError(
-            f"--model {name or family!r}: plan covers the language-model families "
-            f"{', '.join(LM_FAMILIES)}; choose one of them"
-        )
-    cfg = _config(family, size, cfg)
-    _whole("--devices", devices, 1, "the number of devices the mesh spans, e.g. --devices 8")
+    tgt = to_target(target)
     _whole("--top", top, 1, "the rows to show, e.g. --top 12")
     for flag, value in (("--batch", batch), ("--layers", layers), ("--seq", seq)):
         if value is not None:
             _whole(flag, value, 1, "or leave it out for the default")
     if aot is not None:
         _whole("--aot", aot, 0, "how many top layouts to compile; 0 for none")
-    if device_kind not in PROFILES:
-        raise PlanError(f"--device-kind {device_kind!r}: known kinds: {', '.join(PROFILES)}")
     if dtype not in DTYPE_BYTES:
         raise PlanError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     if optimizer not in OPTIMIZER_MOMENTS:
         raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_MOMENTS)}")
+    work = _workload(model, size, cfg, layers)
+    strategies = strategy_names(strategies)
+    budget = memory_budget(tgt, None if memory is None else _memory(memory))
+    batch = batch or tgt.devices
+    name = getattr(work.family, "NAME", None)
+    if name in LM_FAMILIES:
+        return _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot)
+    return _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot)
+
+
+def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot):
+    family, cfg = work.family, work.config
     if seq is not None and seq > cfg.max_seq_len:
         raise PlanError(
-            f"--seq {seq}: {name} {cfg.name} holds at most {cfg.max_seq_len} positions; use "
-            f"--seq {cfg.max_seq_len} or less"
+            f"--seq {seq}: {family.NAME} {cfg.name} holds at most {cfg.max_seq_len} positions; "
+            f"use --seq {cfg.max_seq_len} or less"
         )
-    strategies = strategy_names(strategies)
-    profile = PROFILES[device_kind]
-    memory = profile.memory_bytes if memory is None else _memory(memory)
-    if layers:
-        cfg = dataclasses.replace(cfg, n_layers=layers)
-    aot = aot if aot is not None else (2 if devices <= MAX_AOT_DEVICES else 0)
-    if aot and cpu_only():  # before anything initialises JAX
-        with contextlib.suppress(RuntimeError):  # holding another count already: noted below
-            simulate_cpu_devices(devices)
-    batch = batch or devices
     seq = seq or min(4096, cfg.max_seq_len)
+    aot = aot if aot is not None else (2 if tgt.devices <= MAX_AOT_DEVICES else 0)
+    have = devices_here(tgt.devices) if aot and tgt.devices <= MAX_AOT_DEVICES else None
     start = time.perf_counter()
-    ranked = candidates(family, cfg, devices, batch, seq, strategies=tuple(strategies),
-                        dtype=dtype, optimizer=optimizer, memory_bytes=memory,
-                        profile=profile)  # fmt: skip
+    ranked = candidates(family, cfg, tgt, batch, seq, strategies=tuple(strategies), dtype=dtype,
+                        optimizer=optimizer, memory_bytes=budget)  # fmt: skip
     elapsed = time.perf_counter() - start
     notes = []
-    if aot:
-        import jax
-
-        if jax.device_count() != devices:
-            notes.append(f"AOT skipped: {jax.device_count()} devices here, not {devices}")
-        else:
-            for c in [c for c in ranked if c.fits][:aot]:
-                compile_candidate(c, family, cfg)
+    if aot and tgt.devices > MAX_AOT_DEVICES:
+        notes.append(f"not compiled: {tgt.devices} devices are more than the {MAX_AOT_DEVICES} "
+                     f"this host simulates for an AOT compile")  # fmt: skip
+    elif aot and have != tgt.devices:
+        notes.append(f"AOT skipped: {have} devices here, not {tgt.devices}")
+    elif aot:
+        notes += check_top(ranked, work, tgt, aot, optimizer)
     assumptions = [
-        f"device: {profile.describe()}; memory budget {fmt_bytes(memory)} per device",
-        "step time = critical-path matmul FLOPs / peak + ring collective time at the bandwidth "
-        "of the links each group spans, no overlap (an upper bound); axes laid out stage, data, "
-        "fsdp, tensor with tensor innermost",
-        "memory = params + gradients + optimizer state + batch + saved activations + one "
-        "layer's backward transients + gathered layer weights + float32 logits; no runtime "
-        "reserve",
-        f"float32 master weights; {dtype} compute; {optimizer}",
+        *_top_assumptions(ranked),
+        f"Memory: params + gradients + optimizer state + batch + saved activations + one "
+        f"layer's backward transients + gathered layer weights + float32 logits, against "
+        f"{fmt_bytes(budget)} per device; float32 master weights, {dtype} compute, {optimizer}.",
+        f"Searched every factorisation of the {tgt.devices} devices each strategy can use, "
+        f"pipelines under gpipe and 1f1b, remat none and full.",
     ]
-    return PlanResult(name, cfg.name, cfg.n_layers, devices, memory, batch, seq, dtype,
-                      optimizer, profile, elapsed, ranked, top, assumptions, notes)  # fmt: skip
+    return PlanResult(family.NAME, cfg.name, cfg.n_layers, tgt, budget, batch, seq, dtype,
+                      optimizer, "formula", elapsed, ranked, top, assumptions, notes)  # fmt: skip
 
 
-def _config(family: Any, size: str | None, cfg: Any) -> Any:
-    if cfg is not None:
-        if size is not None:
-            raise PlanError(f"plan(size={size!r}, cfg=...): give a size or a config, not both")
-        return cfg
-    if size is None:
-        size = DEFAULT_SIZES.get(family.NAME)
-        if size is None:
-            raise PlanError(f"--size: give one of {family.NAME}'s sizes: {', '.join(family.SIZES)}")
-    if size not in family.SIZES:
+def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot):
+    if aot == 0:
         raise PlanError(
-            f"--size {size!r}: unknown {family.NAME} size; sizes: {', '.join(family.SIZES)}"
+            f"--aot 0: {work.name} has no closed-form costs, so plan prices it from compiled "
+            f"programs; leave --aot out"
         )
-    return family.config(size)
+    if tgt.devices > MAX_AOT_DEVICES:
+        raise PlanError(
+            f"--target {tgt.name}: {work.name} has no closed-form costs and is priced from "
+            f"programs compiled for the target's {tgt.devices} devices, more than the "
+            f"{MAX_AOT_DEVICES} this host simulates; plan it on a target of at most "
+            f"{MAX_AOT_DEVICES} devices (e.g. --target {tgt.device.name}:{min(tgt.per_node, MAX_AOT_DEVICES)})"
+        )
+    if work.seq is None and seq is not None:
+        raise PlanError(f"--seq {seq}: {work.name} has no sequence axis; drop --seq")
+    seq = seq or work.seq
+    have = devices_here(tgt.devices)
+    if have != tgt.devices:
+        raise PlanError(
+            f"--target {tgt.name}: {work.name} is priced from programs compiled for "
+            f"{tgt.devices} devices, and this process holds {have} (JAX started before plan "
+            f"could simulate them); run plan in a fresh process or pick a target of {have} devices"
+        )
+    start = time.perf_counter()
+    ranked, notes = compiled_candidates(work, tgt, batch, seq, strategies=tuple(strategies),
+                                        dtype=dtype, memory_bytes=budget, limit=MAX_COMPILES)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    if optimizer != "adamw":
+        notes.append(f"compiled steps use AdamW (compare's path), not {optimizer}")
+    assumptions = [
+        *_top_assumptions(ranked),
+        f"Memory: what each compiled step allocates per device, against {fmt_bytes(budget)}.",
+    ]
+    name, size = getattr(work.family, "NAME", work.name), getattr(work.config, "name", "")
+    return PlanResult(name, size, work.depth(), tgt, budget, batch, seq, dtype, "adamw",
+                      "compiled program", elapsed, ranked, top, assumptions, notes)  # fmt: skip
+
+
+def _top_assumptions(ranked: list[Estimate]) -> list[str]:
+    """`step_time`'s assumptions, every figure used, as it priced the top layout."""
+    top = ranked[0]
+    return [f"Step times by sharding.costmodel.step_time; its assumptions, with the figures of "
+            f"the top layout ({top.label} on {top.mesh_text}, remat {top.remat}):",
+            *top.predicted.assumptions]  # fmt: skip
+
+
+def _workload(model: Any, size: str | None, cfg: Any, layers: int | None) -> Workload:
+    if isinstance(model, Workload):
+        if size is not None or cfg is not None:
+            raise PlanError(
+                f"plan({model.name!r}, size=/cfg=): a Workload carries its own size; give size= "
+                f"or cfg= only with a family module (models.llama), or build the workload at it"
+            )
+        family, cfg = model.family, model.config
+        if layers is None:
+            return model
+        if family is None or not hasattr(cfg, "n_layers"):
+            raise PlanError(
+                f"--layers {layers}: {model.name} is your own workload, whose layer count plan "
+                f"cannot change; build it with {layers} layers (e.g. a size= argument) instead"
+            )
+        return Workload.from_family(family, dataclasses.replace(cfg, n_layers=layers))
+    family = model
+    if not (hasattr(family, "NAME") and hasattr(family, "SIZES")):
+        raise PlanError(
+            f"model {model!r}: give a sharding.Workload or a family module such as models.llama"
+        )
+    if cfg is None:
+        size = size or DEFAULT_SIZES.get(family.NAME, "tiny")
+        if size not in family.SIZES:
+            raise PlanError(
+                f"--size {size!r}: unknown {family.NAME} size; sizes: {', '.join(family.SIZES)}"
+            )
+        cfg = family.config(size)
+    elif size is not None:
+        raise PlanError(f"plan(size={size!r}, cfg=...): give a size or a config, not both")
+    if layers:
+        cfg = dataclasses.replace(cfg, n_layers=layers)
+    return Workload.from_family(family, cfg)
 
 
 def _whole(flag: str, value: Any, low: int, what: str) -> None:
@@ -264,4 +390,4 @@ def _memory(memory: int | str) -> int:
     return int(value)
 
 
-__all__ = ["DEFAULT_SIZES", "MAX_AOT_DEVICES", "PlanError", "PlanResult", "plan"]
+__all__ = ["DEFAULT_SIZES", "MAX_AOT_DEVICES", "MAX_COMPILES", "PlanError", "PlanResult", "plan"]

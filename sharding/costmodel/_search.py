@@ -1,26 +1,43 @@
-"""Rank layouts for a model on N devices from the cost model: the search behind `spmdkit plan`.
+"""Rank layouts for a model on a target: the search behind `spmdkit plan`.
 
-Every layout `layouts(..., search=True)` lists (each factorisation of the devices over stage,
-data, fsdp and tensor that a strategy uses; pipelines under gpipe and 1f1b) is predicted with
-`predict` under remat none and full, kept if the preset's rules divide it, and ranked by an
-estimated step time: matmul FLOPs at the device's peak plus each collective's ring traffic at
-the bandwidth of the links its group spans, with no overlap (a pessimistic bound). Nothing is
-compiled or allocated; `compile_candidate` checks an estimate with an ahead-of-time compile.
+Every layout is priced by the one step-time model (`step_time` on a `sharding.targets.Target`),
+fed one of two ways:
+
+- `candidates`, for the language-model families with closed forms: every layout `layouts(...,
+  search=True)` lists (each factorisation of the target's devices over stage, data, fsdp and
+  tensor that a strategy uses; pipelines under gpipe and 1f1b), under remat none and full, is
+  predicted by `predict` and priced through `work_from_prediction`. Nothing is compiled: a
+  70B model on 512 devices takes about a second.
+- `compiled_candidates`, for any other workload: a few layouts per strategy (`few_layouts`) are
+  compiled ahead of time for the target's device count from abstract shapes and priced from the
+  compiled program, by compare's own path (`sharding.comparison.evaluate`).
+
+`check_candidate` compiles one closed-form estimate the same way and keeps both predictions side
+by side (`Check`): how far the formula is from the program XLA really builds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sharding._mesh import AXES
+from sharding._devices import cpu_only
+from sharding._errors import SpmdkitError
+from sharding._mesh import simulate_cpu_devices
 from sharding._resolve import RuleError
 from sharding._units import fmt_bytes
-from sharding._workload import Workload
 from sharding.costmodel._layouts import Layout, layouts, strategy_names
 from sharding.costmodel._predict import CostModelError, Prediction, predict
+from sharding.costmodel._steptime import MEMORY_FRACTION, StepTime, step_time
+from sharding.costmodel._stepwork import work_from_prediction
 from sharding.pipeline import PipelineConfigError, ScheduleError
+from sharding.targets import Target, target
+
+REMATS = ("none", "full")  # the closed-form search tries both; compiled layouts run "none"
+# The most layouts `compiled_candidates` compiles for one workload (each is a full AOT compile).
+MAX_COMPILES = 16
 
 
 class NoFittingStrategyError(CostModelError):
@@ -31,190 +48,348 @@ class NoValidLayoutError(CostModelError):
     """No strategy's rules divide the model on any factorisation of the devices."""
 
 
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Peak matmul FLOP/s per compute dtype, memory, and link bandwidth per direction."""
-
-    name: str
-    memory_bytes: int
-    peak_flops: dict[str, float]
-    intra_node_bw: float
-    inter_node_bw: float
-    devices_per_node: int
-
-    def describe(self) -> str:
-        peaks = ", ".join(f"{k} {v / 1e12:g} TF/s" for k, v in self.peak_flops.items())
-        return (
-            f"{self.name}: {fmt_bytes(self.memory_bytes)}, dense peak {peaks}; "
-            f"{self.intra_node_bw / 1e9:g} GB/s within a node of {self.devices_per_node}, "
-            f"{self.inter_node_bw / 1e9:g} GB/s between nodes (per direction)"
-        )
+def _rel(formula: float | None, compiled: float | None) -> float | None:
+    if formula is None or compiled is None or compiled == 0:
+        return None
+    return (formula - compiled) / compiled
 
 
-# Dense peaks from the vendors' data sheets; float32 matmuls run as TF32 (XLA's GPU default).
-PROFILES: dict[str, DeviceProfile] = {
-    "h100-80gb": DeviceProfile("h100-80gb", 80 * 10**9, {"bfloat16": 989e12, "float32": 494e12},
-                               450e9, 50e9, 8),
-    "a100-80gb": DeviceProfile("a100-80gb", 80 * 10**9, {"bfloat16": 312e12, "float32": 156e12},
-                               300e9, 25e9, 8),
-}  # fmt: skip
+@dataclass
+class Check:
+    """A closed-form estimate beside its compiled program, both priced on the target at ``dtype``.
+
+    ``rate`` is the matmul FLOP/s per device the step time charged (peak x matmul fraction), so
+    the compiled program's critical-path FLOPs are its matmul and bubble seconds times it.
+    """
+
+    dtype: str
+    formula: StepTime
+    formula_flops: float
+    prediction: Prediction
+    compiled: Any  # sharding.comparison.Candidate
+    rate: float
+
+    def pairs(self) -> dict[str, tuple[float | None, float | None]]:
+        """(formula, compiled) per figure: step split, collective bytes, FLOPs, memory."""
+        f, c = self.formula, self.compiled.predicted
+        return {
+            "step_s": (f.step_s, c.step_s),
+            "compute_s": (f.compute_s, c.compute_s),
+            "exposed_comm_s": (f.exposed_comm_s, c.exposed_comm_s),
+            "bubble_s": (f.bubble_s, c.bubble_s),
+            "collective_bytes": (
+                self.prediction.collective_bytes(),
+                self.compiled.collective_bytes,
+            ),
+            "matmul_flops": (self.formula_flops, (c.matmul_s + c.bubble_s) * self.rate),
+            "memory_bytes": (self.prediction.memory_bytes, self.compiled.allocated),
+        }
+
+    def errors(self) -> dict[str, float | None]:
+        """(formula - compiled) / compiled per figure; None where the compiled one is 0 or unknown."""
+        return {k: _rel(f, c) for k, (f, c) in self.pairs().items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        pairs = self.pairs()
+        return {
+            "dtype": self.dtype,
+            "compile_time_s": self.compiled.compile_time_s,
+            "formula": {k: f for k, (f, _) in pairs.items()},
+            "compiled": {k: c for k, (_, c) in pairs.items()},
+            "error": self.errors(),
+        }
 
 
 @dataclass
 class Estimate:
-    """One layout ranked by the cost model: its prediction and estimated step time split."""
+    """One layout at one remat policy, priced on the target.
+
+    ``predicted`` is its step there: from the closed form when ``prediction`` is set, else from
+    its compiled program (``candidate``, a `sharding.comparison.Candidate`). ``check`` holds the
+    compiled program beside a closed-form estimate once `check_candidate` ran.
+    """
 
     layout: Layout
-    prediction: Prediction
+    remat: str
+    predicted: StepTime
+    memory_bytes: int
     fits: bool
-    compute_s: float
-    comm_s: float
-    compiled_memory: int | None = None
-    compile_time_s: float | None = None
+    collective_bytes: float
+    prediction: Prediction | None = None
+    candidate: Any = None
+    check: Check | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
+    def source(self) -> str:
+        return "formula" if self.prediction is not None else "compiled program"
+
+    @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.predicted.step_s
 
     @property
     def mesh_text(self) -> str:
         return self.layout.mesh
 
+    @property
+    def label(self) -> str:
+        return self.layout.label
+
     def to_dict(self) -> dict[str, Any]:
-        p = self.prediction
+        st = self.predicted
         return {
-            "strategy": p.strategy,
-            "mesh": p.mesh,
-            "pipeline": p.pipeline,
-            "remat": p.remat,
-            "fits": self.fits,
-            "memory_bytes": p.memory_bytes,
-            "compiled_memory_bytes": self.compiled_memory,
-            "compile_time_s": self.compile_time_s,
-            "collective_bytes": p.collective_bytes(),
-            "bytes_by_kind": p.bytes_by_kind(),
-            "matmul_flops": p.matmul_flops,
-            "bubble_fraction": p.bubble_fraction,
-            "compute_s": self.compute_s,
-            "comm_s": self.comm_s,
-            "step_s": self.step_s,
-            "tokens_per_s": p.batch * p.seq / self.step_s,
+            "strategy": self.layout.strategy, "label": self.label, "mesh": self.layout.sizes,
+            "pipeline": None if self.layout.schedule is None else {
+                "schedule": self.layout.schedule, "microbatches": self.layout.microbatches,
+                "repeats": self.layout.repeats},
+            "remat": self.remat, "source": self.source, "fits": self.fits,
+            "memory_bytes": self.memory_bytes, "collective_bytes": self.collective_bytes,
+            "bytes_by_kind": None if self.prediction is None else self.prediction.bytes_by_kind(),
+            "step_s": st.step_s, "compute_s": st.compute_s, "exposed_comm_s": st.exposed_comm_s,
+            "comm_s": st.comm_s, "bubble_s": st.bubble_s, "throughput": st.throughput,
+            "throughput_per_device": st.throughput_per_device, "unit": st.unit, "mfu": st.mfu,
+            "warnings": st.warnings, "check": None if self.check is None else self.check.to_dict(),
             "notes": self.notes,
-        }
+        }  # fmt: skip
 
 
-_RING = {"all-reduce": lambda n: 2 * (n - 1) / n, "collective-permute": lambda n: 1.0}
+def memory_budget(tgt: Target, memory_bytes: int | None = None) -> int:
+    """Bytes a step may fill per device: ``memory_bytes``, else `MEMORY_FRACTION` of the HBM."""
+    return int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_bytes is None else memory_bytes
 
 
-def comm_seconds(pred: Prediction, profile: DeviceProfile) -> float:
-    """Ring-algorithm time of every collective at the bandwidth of the links its group spans.
-
-    Axes are laid out stage, data, fsdp, tensor (tensor innermost, `sharding._mesh`): a group
-    stays inside a node when its outermost axis' stride times its size is at most a node.
-    """
-    sizes, total = pred.mesh, 0.0
-    stride = {a: math.prod(sizes[b] for b in AXES[i + 1 :]) for i, a in enumerate(AXES)}
-    for x in pred.traffic:
-        n = math.prod(sizes[a] for a in x.axes)
-        span = max(stride[a] * sizes[a] for a in x.axes)
-        bw = profile.intra_node_bw if span <= profile.devices_per_node else profile.inter_node_bw
-        total += _RING.get(x.kind, lambda n: (n - 1) / n)(n) * x.bytes / bw
-    return total
+def _pipe(layout: Layout) -> tuple[str, int, int] | None:
+    return None if layout.schedule is None else (layout.schedule, layout.microbatches,
+                                                 layout.repeats)  # fmt: skip
 
 
 def candidates(
     family: Any,
     cfg: Any,
-    devices: int,
+    tgt: Target | str,
     batch: int,
     seq: int,
     *,
     strategies: str | tuple[str, ...] | None = None,
-    dtype: str = "float32",
+    dtype: str = "bfloat16",
     optimizer: str = "adamw",
-    memory_bytes: int,
-    profile: DeviceProfile,
+    memory_bytes: int | None = None,
 ) -> list[Estimate]:
-    """Every valid layout, fitting ones first by estimated step time, then by memory.
+    """Every valid layout of a language-model family on ``tgt``, from the closed forms: fitting
+    ones first by predicted step time, then the rest by memory.
 
     Raises:
         NoValidLayoutError: nothing divides (names the strategies tried).
         NoFittingStrategyError: layouts exist but none fits; says the smallest memory needed.
 
     Example (with ``llama`` the model family module ``models.llama``):
-        >>> ranked = candidates(llama, "7b", 8, 8, 1024, memory_bytes=80 * 10**9,
-        ...                     profile=PROFILES["h100-80gb"])  # doctest: +SKIP
-        >>> ranked[0].fits, ranked[0].layout.label  # doctest: +SKIP
+        >>> ranked = candidates(llama, "7b", "h100:1x8", 8, 1024)  # doctest: +SKIP
+        >>> ranked[0].fits, ranked[0].label  # doctest: +SKIP
         (True, 'fsdp')
     """
+    tgt = target(tgt)
     if isinstance(cfg, str):
         cfg = family.config(cfg)
-    todo = layouts(devices, cfg.n_layers, strategies=strategies, search=True, batch=batch)
+    budget = memory_budget(tgt, memory_bytes)
+    # Useful work for MFU, the same for every layout: the unsplit step without recompute.
+    useful = predict(family, cfg, "dp", {}, batch, seq, dtype=dtype, optimizer=optimizer)
     out: list[Estimate] = []
-    for layout in todo:
-        pipe = None if layout.schedule is None else (layout.schedule, layout.microbatches,
-                                                     layout.repeats)  # fmt: skip
-        for remat in ("none", "full"):
+    for layout in layouts(tgt.devices, cfg.n_layers, strategies=strategies, search=True,
+                          batch=batch):  # fmt: skip
+        for remat in REMATS:
             try:
                 pred = predict(family, cfg, layout.strategy, layout.sizes, batch, seq,
-                               pipeline=pipe, dtype=dtype, optimizer=optimizer, remat=remat)  # fmt: skip
+                               pipeline=_pipe(layout), dtype=dtype, optimizer=optimizer,
+                               remat=remat)  # fmt: skip
             except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
                 continue
-            compute = pred.critical_flops / profile.peak_flops[dtype]
-            fits = pred.memory_bytes <= memory_bytes
-            out.append(Estimate(layout, pred, fits, compute, comm_seconds(pred, profile)))
+            st = step_time(work_from_prediction(pred, model_flops=useful.matmul_flops), tgt)
+            out.append(Estimate(layout, remat, st, pred.memory_bytes, pred.memory_bytes <= budget,
+                                pred.collective_bytes(), prediction=pred))  # fmt: skip
+    return _rank(out, f"{family.NAME} {cfg.name}", tgt, batch, f"batch {batch} x seq {seq}, "
+                 f"{dtype}", strategies, budget)  # fmt: skip
+
+
+def _rank(out: list[Estimate], what: str, tgt: Target, batch: int, setting: str,
+          strategies: Any, budget: int) -> list[Estimate]:  # fmt: skip
     if not out:
-        names = ", ".join(strategy_names(strategies))
         raise NoValidLayoutError(
-            f"{family.NAME} {cfg.name}: no strategy of {names} places the model on any "
-            f"factorisation of {devices} devices with batch {batch} (the rules must divide every "
-            f"split dimension and data x fsdp must divide the batch); try another --devices or "
-            f"--batch"
+            f"{what}: no strategy of {', '.join(strategy_names(strategies))} places the model on "
+            f"any factorisation of {tgt.devices} devices ({tgt.name}) with batch {batch} (the "
+            f"rules must divide every split dimension and data x fsdp must divide the batch); "
+            f"try another --target size or --batch"
         )
-    fitting = sorted((c for c in out if c.fits), key=lambda c: c.step_s)
+    fitting = sorted((c for c in out if c.fits), key=lambda c: (c.step_s, c.memory_bytes))
     if not fitting:
-        best = min(out, key=lambda c: c.prediction.memory_bytes)
-        p = best.prediction
+        best = min(out, key=lambda c: c.memory_bytes)
         raise NoFittingStrategyError(
-            f"{family.NAME} {cfg.name} (batch {batch} x seq {seq}, {dtype}) fits no strategy on "
-            f"{devices} devices of {fmt_bytes(memory_bytes)}: the smallest per-device memory any "
-            f"layout needs is {fmt_bytes(p.memory_bytes)} ({p.strategy} on {best.mesh_text}, "
-            f"remat {p.remat}); use devices with at least that much memory, more devices, or a "
-            f"smaller --batch / --seq"
+            f"{what} ({setting}) fits no strategy on {tgt.name} at {fmt_bytes(budget)} per "
+            f"device: the smallest per-device memory any layout needs is "
+            f"{fmt_bytes(best.memory_bytes)} ({best.label} on {best.mesh_text}, remat "
+            f"{best.remat}); use devices with at least that much memory (--target, --memory), "
+            f"more devices, or a smaller --batch / --seq"
         )
-    rest = sorted((c for c in out if not c.fits), key=lambda c: c.prediction.memory_bytes)
-    return fitting + rest
+    return fitting + sorted((c for c in out if not c.fits), key=lambda c: c.memory_bytes)
 
 
-def compile_candidate(candidate: Estimate, family: Any, cfg: Any) -> Estimate:
-    """AOT-compile an estimate's layout on this host's devices from abstract shapes; fill its
-    compiled memory and compile time.
+def few_layouts(found: list[Layout], per_node: int, limit: int = MAX_COMPILES) -> list[Layout]:
+    """The layouts `compiled_candidates` compiles: per strategy the least and the most split
+    mesh (tensor kept within a node of ``per_node`` where possible), pipelines at their fewest
+    stages under each schedule; at most ``limit``, in `ORDER`.
 
-    Needs ``jax.device_count()`` equal to the mesh size (simulate CPU devices first). Nothing is
-    materialised: the step is lowered from `ShapeDtypeStruct`s and compiled.
+    Example:
+        >>> [f"{x.label} {x.mesh}" for x in few_layouts(layouts(8, 4, strategies="fsdp,pp",
+        ...                                                      search=True, batch=8), 8)]
+        ['fsdp data=4,fsdp=2', 'fsdp fsdp=8', 'pp gpipe m=2 stage=2,data=4', 'pp 1f1b m=2 stage=2,data=4']
     """
-    import optax
+    groups: dict[tuple[str, str | None], list[Layout]] = {}
+    for x in found:  # tp and dp_tp are one strategy family in the search (tp with data > 1)
+        groups.setdefault(("tp" if x.strategy == "dp_tp" else x.strategy, x.schedule), []).append(x)
 
-    p = candidate.prediction
-    tx = optax.adamw(1e-4) if p.optimizer in ("adamw", "adam") else optax.sgd(1e-3)
-    work = Workload.from_family(family, cfg)
-    program = candidate.layout.program(work, batch=p.batch, seq=p.seq, optimizer=tx,
-                                       dtype=p.dtype, remat=p.remat)  # fmt: skip
-    report = program.report()
-    if report.memory is not None:
-        candidate.compiled_memory = report.memory.allocated
-    candidate.compile_time_s = report.compile_time_s
-    return candidate
+    def split(x: Layout) -> int:
+        return math.prod(n for a, n in x.sizes.items() if a != "data")
+
+    out: list[Layout] = []
+    for (_, schedule), group in groups.items():
+        inside = [x for x in group if x.sizes["tensor"] <= per_node] or group
+        least = min(inside, key=lambda x: (split(x), x.sizes["tensor"], x.sizes["stage"]))
+        most = max(inside, key=lambda x: (split(x), -x.sizes["tensor"], -x.sizes["stage"]))
+        out += [least] if schedule is not None or most == least else [least, most]
+    return out[:limit]
+
+
+def compiled_candidates(
+    work: Any,
+    tgt: Target | str,
+    batch: int,
+    seq: int | None,
+    *,
+    strategies: str | tuple[str, ...] | None = None,
+    dtype: str = "bfloat16",
+    memory_bytes: int | None = None,
+    limit: int = MAX_COMPILES,
+) -> tuple[list[Estimate], list[str]]:
+    """A few layouts of any `sharding.Workload` (`few_layouts`), each compiled for ``tgt`` from
+    abstract shapes on this process's devices and priced from its program; ranked as
+    `candidates` ranks, with notes on what was left out.
+
+    Needs ``jax.device_count() == tgt.devices`` (simulate CPU devices first).
+
+    Example (with ``work`` a `sharding.Workload`):
+        >>> ranked, notes = compiled_candidates(work, "h100:1x8", 16, 32)  # doctest: +SKIP
+    """
+    import jax
+
+    from sharding.comparison import Settings, evaluate, reference_flops
+
+    tgt = target(tgt)
+    depth = work.depth() or 1  # no stack: no pipeline divides one layer
+    found = layouts(tgt.devices, depth, strategies=strategies, search=True, batch=batch)
+    chosen, notes = few_layouts(found, tgt.per_node, limit), []
+    if dtype == "bfloat16" and jax.default_backend() == "cpu" and any(x.schedule for x in chosen):
+        chosen = [x for x in chosen if x.schedule is None]
+        notes.append("bfloat16 pipelines not compiled: XLA:CPU aborts compiling them (its "
+                     "all-reduce promotion); plan them with --dtype float32")  # fmt: skip
+    settings, budget = Settings(batch, seq), memory_budget(tgt, memory_bytes)
+    useful = reference_flops(work, settings, dtype)[0]
+    out: list[Estimate] = []
+    for layout in chosen:
+        try:
+            cand, _ = evaluate(layout, work, settings, tgt, dtype=dtype, useful_flops=useful)
+        except SpmdkitError as e:
+            notes.append(f"{layout.label} on {layout.mesh} not compiled: {str(e).splitlines()[0]}")
+            continue
+        mem = cand.memory_bytes
+        out.append(Estimate(layout, "none", cand.predicted, mem, mem <= budget,
+                            cand.collective_bytes, candidate=cand))  # fmt: skip
+    if not out and notes:  # layouts were listed, and none could be compiled here
+        raise NoValidLayoutError(f"{work.name} on {tgt.name}: nothing compiled: {'; '.join(notes)}")
+    notes.insert(0, f"{work.name} has no closed-form costs: priced from {len(out)} compiled "
+                 f"programs, {len(chosen)} of the {len(found)} layouts the search lists (per "
+                 f"strategy the least and the most split mesh, pipelines at their fewest stages; "
+                 f"remat none; at most {limit} compiles)")  # fmt: skip
+    if dtype == "bfloat16" and jax.default_backend() == "cpu":
+        notes.append("compiled here on CPU: XLA:CPU carries bfloat16 collectives in float32, so "
+                     "their bytes (and exposed communication) are those of float32")  # fmt: skip
+    unit = "" if seq is None else f" x seq {seq}"
+    return _rank(out, work.name, tgt, batch, f"batch {batch}{unit}, {dtype}", strategies,
+                 budget), notes  # fmt: skip
+
+
+def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
+                    dtype: str | None = None) -> Check:  # fmt: skip
+    """Compile a closed-form estimate's layout for ``tgt`` (compare's path) and keep both
+    predictions, at ``dtype`` (default: the estimate's; the formula is re-run at another).
+
+    Needs ``jax.device_count() == tgt.devices``. The compiled step uses AdamW, as compare's.
+    """
+    from sharding.comparison import Settings, evaluate
+
+    tgt, p = target(tgt), estimate.prediction
+    if p is None:
+        raise CostModelError(f"{estimate.label}: no closed-form prediction to check")
+    dtype = dtype or p.dtype
+    family, cfg = work.family, work.config
+    if dtype != p.dtype:
+        p = predict(family, cfg, p.strategy, p.mesh, p.batch, p.seq, pipeline=_pipe(
+            estimate.layout), dtype=dtype, optimizer=p.optimizer, remat=p.remat)  # fmt: skip
+    useful = predict(family, cfg, "dp", {}, p.batch, p.seq, dtype=dtype).matmul_flops
+    sw = work_from_prediction(p, model_flops=useful)
+    cand, _ = evaluate(estimate.layout, work, Settings(p.batch, p.seq), tgt, dtype=dtype,
+                       remat=p.remat, useful_flops=useful)  # fmt: skip
+    rate = tgt.device.peak(dtype) * tgt.device.matmul_fraction
+    estimate.check = Check(dtype, step_time(sw, tgt), sw.matmul_flops, p, cand, rate)
+    return estimate.check
+
+
+def check_top(ranked: list[Estimate], work: Any, tgt: Target, n: int, optimizer: str) -> list[str]:
+    """`check_candidate` on the first ``n`` fitting layouts (each at its best remat policy);
+    notes on how they were checked.
+
+    On a CPU host a bfloat16 plan is checked at float32, formula and compile alike: XLA:CPU
+    carries bfloat16 collectives in float32 (converts around them) and aborts compiling
+    bfloat16 pipelines, so a bfloat16 compile here would not be the program a GPU runs.
+    """
+    import jax
+
+    dtype, notes = ranked[0].prediction.dtype, []
+    if dtype == "bfloat16" and jax.default_backend() == "cpu":
+        dtype = "float32"
+        notes.append("checked at float32 on this CPU host, formula and compile alike: XLA:CPU "
+                     "carries bfloat16 collectives in float32 and aborts compiling bfloat16 "
+                     "pipelines")  # fmt: skip
+    if optimizer != "adamw":
+        notes.append(f"compiled steps use AdamW (compare's path); the formula's memory counts "
+                     f"{optimizer}")  # fmt: skip
+    chosen = {}  # distinct layouts: the same one at the other remat policy teaches less
+    for c in ranked:
+        if c.fits and len(chosen) < n:
+            chosen.setdefault(c.layout, c)
+    for c in chosen.values():
+        check_candidate(c, work, tgt, dtype=dtype)
+    return notes
+
+
+def devices_here(devices: int) -> int:
+    """Simulate ``devices`` CPU devices unless JAX has started; the devices this process has."""
+    if cpu_only():
+        with contextlib.suppress(RuntimeError):  # another count already: the caller says so
+            simulate_cpu_devices(devices)
+    import jax
+
+    return jax.device_count()
 
 
 __all__ = [
-    "PROFILES",
-    "DeviceProfile",
+    "MAX_COMPILES",
+    "Check",
     "Estimate",
     "NoFittingStrategyError",
     "NoValidLayoutError",
     "candidates",
-    "comm_seconds",
-    "compile_candidate",
+    "check_candidate",
+    "compiled_candidates",
+    "few_layouts",
+    "memory_budget",
 ]

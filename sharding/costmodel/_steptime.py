@@ -221,7 +221,7 @@ def step_time(
         g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
         factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined)
         bw_s = factor * c.bytes / (g.link.bandwidth * d.link_fraction)
-        lat_s = c.count * ring_hops(c.kind, g.size) * g.link.latency
+        lat_s = c.count * (d.op_latency + ring_hops(c.kind, g.size) * g.link.latency)
         by_rule[rule] += bw_s + lat_s
         rows.append((c, g, factor, bw_s, lat_s, rule))
     backward = BACKWARD_SHARE.get(work.remat, 2 / 3)
@@ -265,8 +265,8 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"charged at the matmul rate through the matmul fraction.",
         f"Collectives run as rings at {d.link_fraction:.0%} of the link bandwidth: all-reduce "
         f"sends 2(n-1)/n of its bytes, all-gather (n-1)/n of its gathered output, reduce-scatter "
-        f"and all-to-all (n-1)/n of their operand, collective-permute its operand once; each "
-        f"ring step waits one hop ({d.intra_latency * 1e6:g} us over {d.intra_link}, "
+        f"and all-to-all (n-1)/n of their operand, collective-permute its operand once; each op "
+        f"starts at {d.op_latency * 1e6:g} us and each ring step waits one hop ({d.intra_latency * 1e6:g} us over {d.intra_link}, "
         f"{d.inter_latency * 1e6:g} us over {d.inter_link}); a group spanning nodes runs at "
         f"the {d.inter_link} bandwidth (no hierarchical algorithm).",
         f"Overlap: gradient reductions over data/fsdp hide behind the backward ({backward:.0%} "

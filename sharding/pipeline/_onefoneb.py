@@ -30,6 +30,22 @@ P = jshard.PartitionSpec
 _CODES = {Kind.IDLE: 0, Kind.FORWARD: 1, Kind.BACKWARD: 2}
 
 
+def varying(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """``lax.pcast(x, axes, to="varying")`` whose transpose, the psum of x's cotangent over
+    ``axes``, runs in float32: gradients of bfloat16 weights are summed in float32 (and XLA:CPU
+    cannot promote a bfloat16 all-reduce whose reducer Shardy tagged with a sharding)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.pcast(x, axes, to="varying")
+    return lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
+
+
+def psum32(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """``lax.psum`` computed in float32 for floating-point x (see `varying`)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.psum(x, axes)
+    return lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+
+
 def _tables(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[ticks, stages] int32 arrays: action code, its micro-batch, and the micro-batch whose
     activation arrives from the previous stage (-1: none)."""
@@ -123,11 +139,11 @@ def _pipeline_body(
     last = p - 1
     # Varying casts hoisted out of the tick loop: their transposes (the gradient psums over data,
     # and over stage for `rest`) then run once per step.
-    w = jax.tree.map(lambda a: lax.pcast(a[0], "data", to="varying"), layers)
-    rest = jax.tree.map(lambda a: lax.pcast(a, ("stage", "data"), to="varying"), rest)
-    h_m = lax.pcast(h_m, "stage", to="varying")
-    extras_m = [lax.pcast(a, "stage", to="varying") for a in extras_m]
-    batch_m = jax.tree.map(lambda a: lax.pcast(a, "stage", to="varying"), batch_m)
+    w = jax.tree.map(lambda a: varying(a[0], "data"), layers)
+    rest = jax.tree.map(lambda a: varying(a, ("stage", "data")), rest)
+    h_m = varying(h_m, "stage")
+    extras_m = [varying(a, "stage") for a in extras_m]
+    batch_m = jax.tree.map(lambda a: varying(a, "stage"), batch_m)
     zero_x = jnp.zeros_like(h_m[0])
 
     def pick(i: jax.Array) -> tuple[list, list]:
@@ -197,9 +213,9 @@ def _pipeline_body(
     n_data = lax.axis_size("data")
     # The loss is the mean over data replicas of each replica's micro-batch mean.
     value = lax.psum(carry["loss"], ("stage", "data")) / n_data
-    gw = jax.tree.map(lambda g: lax.psum(g, "data")[None] / n_data, carry["gw"])
-    grest = jax.tree.map(lambda g: lax.psum(g, ("stage", "data")) / n_data, carry["grest"])
-    dh = lax.psum(carry["dh"], "stage") / n_data
+    gw = jax.tree.map(lambda g: psum32(g, "data")[None] / n_data, carry["gw"])
+    grest = jax.tree.map(lambda g: psum32(g, ("stage", "data")) / n_data, carry["grest"])
+    dh = psum32(carry["dh"], "stage") / n_data
     # Every stage reads the extra inputs: their cotangents add up over stages.
-    dex = [lax.psum(g, "stage") / n_data for g in carry["dex"]]
+    dex = [psum32(g, "stage") / n_data for g in carry["dex"]]
     return value, (gw, grest, dh, dex)

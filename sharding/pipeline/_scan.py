@@ -28,7 +28,7 @@ from jax import sharding as jshard
 
 from sharding._stack import StackCall, join_state, split_state, taken_over
 from sharding.pipeline._errors import PipelineError
-from sharding.pipeline._onefoneb import one_f_one_b
+from sharding.pipeline._onefoneb import one_f_one_b, psum32, varying
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
 
 P = jshard.PartitionSpec
@@ -134,11 +134,11 @@ def scan_pipeline(
         # This stage's [r, L/(p r), ...]. Cast to data-varying here, outside the tick loop: the
         # transpose of this cast is the data-parallel gradient psum, which then runs once per
         # step instead of once per tick (XLA otherwise reduces each tick's weight gradient).
-        w = jax.tree.map(lambda a: lax.pcast(a[0], "data", to="varying"), w)
+        w = jax.tree.map(lambda a: varying(a[0], "data"), w)
         sid = lax.axis_index("stage")
         # Hoisted so the transpose (a psum over stage of the input cotangent) runs once per step.
-        h_m = lax.pcast(h_m, "stage", to="varying")
-        extras_m = [lax.pcast(e, "stage", to="varying") for e in extras_m]
+        h_m = varying(h_m, "stage")
+        extras_m = [varying(e, "stage") for e in extras_m]
 
         @jax.checkpoint  # a stage keeps only its input per micro-batch; backward recomputes
         def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
@@ -172,7 +172,7 @@ def scan_pipeline(
         circ0 = jnp.zeros_like(h_m) if r > 1 else jnp.zeros((0,), h_m.dtype)
         _, ys = lax.scan(tick, (zeros, circ0), jnp.arange(ticks))
         outs = ys[ticks - m :]  # last stage, final repeat: micro-batches 0..m-1 in order
-        return lax.psum(jnp.where(sid == p - 1, outs, jnp.zeros_like(outs)), "stage")
+        return psum32(jnp.where(sid == p - 1, outs, jnp.zeros_like(outs)), "stage")
 
     spec_layers = jax.tree.map(lambda _: P("stage"), stage_layers)
     # Manual over stage (the schedule) and data (so the gradient psum can be placed); fsdp and

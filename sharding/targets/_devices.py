@@ -71,6 +71,7 @@ class DeviceSpec:
     hbm_fraction: float = HBM_FRACTION
     link_fraction: float = LINK_FRACTION
     source: str = ""
+    op_latency: float = 0.0  # seconds every collective op costs before its first hop
 
     def __post_init__(self) -> None:
         _check_values(self.name, {f.name: getattr(self, f.name) for f in fields(self)})
@@ -133,6 +134,9 @@ def _check_values(name: str, values: dict[str, Any]) -> None:
         elif key in ("devices_per_node", "default_devices", "hbm_bytes"):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 bad.append(f"{key}={value!r} (a positive integer)")
+        elif key == "op_latency":
+            if not number or not math.isfinite(value) or value < 0:
+                bad.append(f"{key}={value!r} (a number of seconds >= 0)")
         elif not number or not math.isfinite(value) or value <= 0:
             bad.append(f"{key}={value!r} (a positive number)")
     if bad:
@@ -154,8 +158,12 @@ def _nvidia(name: str, kind: str, **figures: Any) -> DeviceSpec:
         devices_per_node=8,
         intra_link="NVLink",
         inter_link="InfiniBand",
-        intra_latency=2e-6,  # NCCL's tuning model: ~1.9 us per NVLink hop of a ring (LL128)
-        inter_latency=5e-6,  # an RDMA hop through one switch tier, NCCL's network ring figures
+        # NCCL's tuning model (src/graph/tuning.cc) for the small messages where latency matters:
+        # a ring op starts at ~6.8 us (baseLat, LL protocol) and each step adds ~0.6 us over
+        # NVLink (hwLat NVLINK LL) or ~5 us through the network (an RDMA hop, one switch tier).
+        op_latency=6.8e-6,
+        intra_latency=0.6e-6,
+        inter_latency=5e-6,
         **figures,
     )
 
@@ -169,6 +177,7 @@ def _tpu(name: str, kind: str, **figures: Any) -> DeviceSpec:
         peak_f32=peak,
         intra_link="ICI",
         inter_link="DCN",
+        op_latency=2e-6,  # an XLA collective on ICI: a few microseconds to start (order of)
         intra_latency=1e-6,  # a neighbour hop on the torus: order of a microsecond
         inter_latency=10e-6,  # host NICs and the data-centre fabric: tens of microseconds
         **figures,
@@ -248,6 +257,7 @@ _TOML: dict[str, tuple[Any, Any]] = {
     "inter_node_gb_per_s": (lambda v: ("inter_bw", _scale(v, 1e9)), lambda s: s.inter_bw / 1e9),
     "inter_node_latency_us": (lambda v: ("inter_latency", _scale(v, 1e-6)),
                               lambda s: s.inter_latency / 1e-6),
+    "op_latency_us": (lambda v: ("op_latency", _scale(v, 1e-6)), lambda s: s.op_latency / 1e-6),
     "matmul_fraction": (lambda v: ("matmul_fraction", v), lambda s: s.matmul_fraction),
     "hbm_fraction": (lambda v: ("hbm_fraction", v), lambda s: s.hbm_fraction),
     "link_fraction": (lambda v: ("link_fraction", v), lambda s: s.link_fraction),
@@ -283,7 +293,8 @@ def load_profile(path: str | pathlib.Path) -> DeviceSpec:
         default_devices = 8           # devices `target("name")` means; default devices_per_node
         intra_node_link = "NVLink"    # a name for messages; default "intra-node link"
         intra_node_gb_per_s = 450     # per direction per device, GB/s
-        intra_node_latency_us = 2     # per hop of a ring, microseconds
+        intra_node_latency_us = 0.6   # per hop of a ring, microseconds
+        op_latency_us = 6.8           # to start any collective op, microseconds; default 0
         inter_node_link = "InfiniBand"  # default "inter-node link"
         inter_node_gb_per_s = 50      # per direction per device, GB/s
         inter_node_latency_us = 5     # per hop, microseconds

@@ -1,0 +1,183 @@
+"""One candidate of `compare`: compile its step for the target's device count, read the compiled
+program's facts, price them on the target, and (where it is cheap) run a few steps here.
+
+The step is compiled ahead of time from abstract shapes (`TrainProgram.compiled`), so a 32-device
+Llama-3-8B step compiles on a laptop: nothing is materialised. Its per-device FLOPs, collectives
+(kind, mesh axes, bytes) and memory are what `sharding.costmodel.step_time` prices on the target.
+Steps measured here are a sanity column only on simulated devices (they share the host's cores:
+a pipeline's stages add up instead of running side by side); on real devices they are the time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+import optax
+
+from sharding._init import state_bytes
+from sharding._mesh import mesh_text
+from sharding._workload import Workload
+from sharding.costmodel import Layout, StepTime, StepWork, step_time, work_from_report
+from sharding.targets import Target
+
+__all__ = ["Candidate", "Settings", "evaluate", "measure_here", "reference_flops"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every candidate shares: the global batch and the optimizer's learning rate."""
+
+    batch: int
+    seq: int | None
+    lr: float = 1e-3
+
+
+@dataclass
+class Candidate:
+    """One layout at one dtype, remat policy and accumulation: compiled facts and prediction.
+
+    Bytes and FLOPs are per device per step. ``predicted`` is the step on the target;
+    ``measured_s`` the steps timed here (empty when not run).
+    """
+
+    layout: Layout
+    dtype: str
+    remat: str
+    accum: int
+    mesh_sizes: dict[str, int]
+    split: str  # what the compiled program splits: "batch data(8)\nweights fsdp(8)"
+    param_bytes: int
+    state_bytes: int
+    allocated: int | None  # what the compiled step allocates per device
+    collectives: list[dict[str, Any]]  # {kind, axes, count, bytes}, one per (kind, axes)
+    collective_bytes: int
+    matmul_flops: float
+    compile_time_s: float
+    bubble: float | None
+    predicted: StepTime
+    predicted_work: StepWork  # what was priced: the program's per-device work
+    batch: int
+    tokens_per_step: int
+    unit: str
+    measured_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """``pp 1f1b m=8``, then what differs from the plain step: ``bf16 remat=full accum=2``."""
+        extra = ["bf16"] if self.dtype == "bfloat16" else []
+        extra += [f"remat={self.remat}"] if self.remat != "none" else []
+        extra += [f"accum={self.accum}"] if self.accum > 1 else []
+        return " ".join([self.layout.label, *extra])
+
+    @property
+    def mesh(self) -> str:
+        return mesh_text(self.mesh_sizes)
+
+    @property
+    def step_s(self) -> float:
+        """The predicted step time on the target."""
+        return self.predicted.step_s
+
+    @property
+    def measured_step_s(self) -> float | None:
+        return statistics.median(self.measured_s) if self.measured_s else None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Memory per device: what the compiled step allocates (the train state without it)."""
+        return self.allocated if self.allocated is not None else self.state_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layout"]["label"] = self.layout.label
+        data.pop("predicted_work")
+        data.update(label=self.label, mesh=self.mesh, predicted=self.predicted.to_dict(),
+                    measured_step_s=self.measured_step_s)  # fmt: skip
+        return data
+
+
+def _split_text(program: Any) -> str:
+    """What the program splits, from its shardings: ``batch data(8)`` / ``weights fsdp(8)``."""
+    sizes = dict(program.mesh.shape)
+    used = {a for s in jax.tree.leaves(program.param_shardings) for e in s.spec if e
+            for a in ((e,) if isinstance(e, str) else e) if sizes[a] > 1}  # fmt: skip
+    batch = [f"{a}({sizes[a]})" for a in ("data", "fsdp") if sizes.get(a, 1) > 1]
+    weights = [f"{a}({sizes[a]})" for a in ("stage", "fsdp", "tensor") if a in used]
+    return f"batch {','.join(batch) or 'whole'}\nweights {','.join(weights) or 'whole'}"
+
+
+def build(
+    layout: Layout, work: Workload, settings: Settings, *, dtype: str = "float32",
+    remat: str = "none", accum: int = 1, devices: list | None = None,
+) -> Any:  # fmt: skip
+    """The `TrainProgram` of one candidate (AdamW), compiled on first use."""
+    return layout.program(work, batch=settings.batch, seq=settings.seq,
+                          optimizer=optax.adamw(settings.lr), dtype=dtype, remat=remat,
+                          accum_steps=accum, devices=devices)  # fmt: skip
+
+
+def reference_flops(work: Workload, settings: Settings, dtype: str) -> tuple[float, int]:
+    """The unsplit step on one device: ``(matmul FLOPs, train-state bytes)``; compiled only.
+
+    The FLOPs (forward and backward, no recompute) are the useful work of every candidate, the
+    numerator of MFU for all alike; the bytes are what one device holds without any split.
+    """
+    program = build(Layout("dp", "data=1"), work, settings, dtype=dtype, devices=jax.devices()[:1])
+    return program.report().matmul_flops, state_bytes(program.abstract_state)
+
+
+def evaluate(
+    layout: Layout, work: Workload, settings: Settings, target: Target, *, dtype: str,
+    remat: str = "none", accum: int = 1, useful_flops: float | None = None,
+) -> tuple[Candidate, Any]:  # fmt: skip
+    """Compile one candidate for ``target`` on this process's devices and price it there.
+
+    Returns the `Candidate` and its `TrainProgram` (to run steps with `measure_here`).
+    """
+    program = build(layout, work, settings, dtype=dtype, remat=remat, accum=accum)
+    report = program.report()
+    tokens = settings.batch * (settings.seq or 1)
+    piped = program.schedule is not None
+    sw = work_from_report(report, tokens=tokens, dtype=dtype, unit=work.unit,
+                          model_flops=useful_flops, schedule=program.schedule,
+                          hlo_text=program.compiled.as_text() if piped else None,
+                          remat=remat)  # fmt: skip
+    by_axes = [{"kind": k, "axes": list(a or ()), "count": s.count, "bytes": s.bytes}
+               for (k, a), s in report.summary(by_axes=True).items()]  # fmt: skip
+    candidate = Candidate(
+        layout=layout, dtype=dtype, remat=remat, accum=accum,
+        mesh_sizes=dict(program.mesh.shape), split=_split_text(program),
+        param_bytes=state_bytes(program.abstract_state["params"], program.param_shardings),
+        state_bytes=state_bytes(program.abstract_state, program.state_shardings),
+        allocated=None if report.memory is None else report.memory.allocated,
+        collectives=by_axes, collective_bytes=report.collective_bytes(),
+        matmul_flops=report.matmul_flops, compile_time_s=program.compile_time_s or 0.0,
+        bubble=report.extra.get("bubble_fraction"), predicted=step_time(sw, target),
+        predicted_work=sw, batch=settings.batch, tokens_per_step=tokens, unit=work.unit,
+    )  # fmt: skip
+    return candidate, program
+
+
+def measure_here(
+    candidate: Candidate, program: Any, work: Workload, settings: Settings, *, warmup: int,
+    timed: int, on_step: Callable[[], None] | None = None,
+) -> Candidate:  # fmt: skip
+    """Run ``warmup`` then ``timed`` steps on this process's devices; fill the timings."""
+    state = program.init(0)
+    batch = program.shard_batch(work.synthetic_batch(settings.batch, settings.seq))
+    for i in range(warmup + timed):
+        start = time.perf_counter()
+        state, metrics = program.step(state, batch)
+        loss = float(metrics["loss"])  # waits for the step
+        if i >= warmup:
+            candidate.measured_s.append(time.perf_counter() - start)
+        candidate.losses.append(loss)
+        if on_step:
+            on_step()
+    return candidate
