@@ -145,7 +145,9 @@ _SIGNATURES = {
 }
 
 
-def load_workload(spec: Any, *, size: str | None = None, shipped: Mapping[str, Any] = {}):
+def load_workload(
+    spec: Any, *, size: str | None = None, shipped: Mapping[str, Any] | None = None
+) -> Workload:
     """The workload ``spec`` names: a `Workload`; a shipped family name (``shipped[name]``,
     at ``size``); ``"package.module:attribute"`` or ``"path/to/file.py:attribute"``, where the
     attribute is a Workload or a function returning one (called with ``size=`` when given).
@@ -153,6 +155,7 @@ def load_workload(spec: Any, *, size: str | None = None, shipped: Mapping[str, A
     Example:
         >>> load_workload("my_models.vit:workload")  # doctest: +SKIP
     """
+    shipped = shipped or {}
     if isinstance(spec, Workload):
         return spec
     if not isinstance(spec, str):
