@@ -13,6 +13,9 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+# Start the backend now, so that a library call simulating another count (plan or compare for a
+# 16-device target) is refused in this process instead of changing it for every later test.
+assert jax.device_count() == 8
 
 import re  # noqa: E402
 import subprocess  # noqa: E402

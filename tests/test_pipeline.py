@@ -24,7 +24,18 @@ CFG = llama.config("tiny")
 SEQ, F32 = 32, 4
 
 
-def program(strategy, mesh, schedule=None, m=4, r=1, batch=16, family=llama, tx=None, devices=None):
+def program(
+    strategy,
+    mesh,
+    schedule=None,
+    m=4,
+    r=1,
+    batch=16,
+    family=llama,
+    tx=None,
+    devices=None,
+    remat="none",
+):
     cfg = family.config("tiny")
     spec = None
     if schedule is not None:
@@ -38,6 +49,7 @@ def program(strategy, mesh, schedule=None, m=4, r=1, batch=16, family=llama, tx=
         family.batch_shapes(cfg, batch, SEQ),
         pipeline=spec,
         stack="layers",
+        remat=remat,
     )
 
 
@@ -158,10 +170,11 @@ def test_ticks_permute_bytes_and_one_gradient_reduction(schedule, p, m, r, ticks
 
 
 def test_1f1b_holds_at_most_half_of_gpipes_temporaries():
-    """p=4, m=16: GPipe keeps every micro-batch's stage inputs, 1F1B at most p of them."""
+    """p=4, m=16: GPipe with full remat keeps every micro-batch's stage inputs, 1F1B at most p
+    of them (without remat GPipe keeps every layer's activations: more still)."""
     temps = {}
-    for schedule in ("gpipe", "1f1b"):
-        prog = program("pp", "stage=4,data=2", schedule, 16, batch=32)
+    for schedule, remat in (("gpipe", "full"), ("1f1b", "none")):
+        prog = program("pp", "stage=4,data=2", schedule, 16, batch=32, remat=remat)
         temps[schedule] = prog.report().memory.temp
     assert temps["1f1b"] <= temps["gpipe"] / 2
 
@@ -198,3 +211,20 @@ def test_pipeline_needs_a_stage_axis():
             pipeline=spec,
             stack="layers",
         )
+
+
+@pytest.mark.parametrize(("remat", "backward"), [("none", 2), ("dots", 2), ("full", 3)])
+def test_gpipe_recomputes_only_what_the_remat_policy_asks(remat, backward):
+    """Counted in the compiled HLO: a gpipe tick's backward executes twice its forward's matmul
+    FLOPs without remat (and with dots, which saves matmul outputs), three times with full remat
+    (the stage recomputed once, never a second checkpoint nested inside it)."""
+    import sharding
+    from sharding.costmodel import work_from_report
+
+    work = sharding.Workload.from_family(llama, CFG)
+    prog = sharding.build_program(work, "pp", "stage=2,data=4", batch=16, seq=SEQ,
+                                  schedule="gpipe", microbatches=4, remat=remat)  # fmt: skip
+    ticks = work_from_report(prog.report(), tokens=16 * SEQ, schedule=prog.schedule,
+                             hlo_text=prog.compiled.as_text(), remat=remat).pipeline  # fmt: skip
+    forward, back = sorted(ticks["tick_flops"])
+    assert back == backward * forward

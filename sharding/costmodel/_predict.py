@@ -297,8 +297,9 @@ def _flops(s: Setup, rows: int) -> tuple[float, float]:
         return stage * (4 + extra) * sched.microbatches + head, stage * (
             3 + extra
         ) * sched.ticks + head
-    # gpipe/circular: every tick runs (bubble ticks on zeros); backward recomputes the stage.
-    flops = stage * (4 + extra) * sched.ticks + head
+    # gpipe/circular: every tick runs (bubble ticks on zeros); remat full recomputes the stage
+    # once in backward, none and dots recompute no matmul.
+    flops = stage * (3 + extra) * sched.ticks + head
     return flops, flops
 
 
@@ -351,13 +352,22 @@ def predict(
         saved = rows * seq * cfg.d_model * s.act_bytes if remat == "full" else layer_act
         activations, transient = cfg.n_layers * saved, layer_act
     else:
-        mb_act = _layer_activations(s, rows * seq // s.schedule.microbatches)
-        held = s.schedule.buffer_slots if s.schedule.name == "1f1b" else s.schedule.ticks
-        mb_in = rows * seq // s.schedule.microbatches * cfg.d_model * s.act_bytes
-        # Stage inputs held per tick (gpipe) or per buffer slot (1f1b); the backward of one
-        # micro-batch recomputes the stage, saving each layer's activations (or inputs).
-        stage_saved = (cfg.n_layers // p) * (mb_in if remat == "full" else mb_act)
-        activations, transient = held * mb_in, stage_saved + mb_act
+        sched = s.schedule
+        mb_act = _layer_activations(s, rows * seq // sched.microbatches)
+        mb_in = rows * seq // sched.microbatches * cfg.d_model * s.act_bytes
+        if sched.name == "1f1b":
+            # Stage inputs held per buffer slot; the backward of one micro-batch recomputes the
+            # stage, saving each layer's activations (or inputs).
+            stage_saved = (cfg.n_layers // p) * (mb_in if remat == "full" else mb_act)
+            activations, transient = sched.buffer_slots * mb_in, stage_saved + mb_act
+        else:
+            # gpipe/circular, per tick: remat full keeps the stage's input and recomputes the
+            # stage once in backward; otherwise every layer of the tick keeps its activations.
+            tick_layers = cfg.n_layers // (p * sched.repeats)
+            if remat == "full":
+                activations, transient = sched.ticks * mb_in, tick_layers * mb_act + mb_act
+            else:
+                activations, transient = sched.ticks * tick_layers * mb_act, mb_act
     gathered = 0.0
     if sz["fsdp"] > 1:  # one layer's weights gathered whole over fsdp at a time
         gathered = s.act_bytes * sum(

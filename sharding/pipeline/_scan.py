@@ -7,8 +7,9 @@ The model's own code runs around the stack: the stack's call is taken over (`sha
 so everything before and after it, the user's loss included, is exactly the user's function. Activations move to the
 next stage with `lax.ppermute` between ticks; the tick tables come from `sharding.pipeline._schedule`.
 
-gpipe and circular differentiate through the scan (each stage's body rematerialised, so a stage
-keeps only its inputs per micro-batch). 1f1b runs forward and backward in the same scan: an
+gpipe and circular differentiate through the scan; the remat policy applies to a stage's work in
+one tick (full: a stage keeps only its input per tick and recomputes it once; none: nothing is
+recomputed). 1f1b runs forward and backward in the same scan: an
 explicit per-stage VJP, cotangents shifted to the previous stage, weight gradients accumulated in
 the carry; it is wrapped in a `jax.custom_vjp` so the step differentiates it like any loss.
 """
@@ -123,8 +124,9 @@ def scan_pipeline(
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
     ``extras_m``: the stack's extra inputs, each ``[m, b, ...]``; micro-batch i's reach every
-    layer that computes micro-batch i. Returns the last stage's outputs ``[m, b, ...]``.
-    Differentiated by autodiff through the scan.
+    layer that computes micro-batch i. ``wrap``: the remat policy of a stage's work in one tick
+    (`sharding.remat_wrapper`), None to store every layer's residuals and recompute nothing.
+    Returns the last stage's outputs ``[m, b, ...]``. Differentiated by autodiff through the scan.
     """
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
     stage_layers = _stage_view(layers, p, r)
@@ -140,10 +142,13 @@ def scan_pipeline(
         h_m = varying(h_m, "stage")
         extras_m = [varying(e, "stage") for e in extras_m]
 
-        @jax.checkpoint  # a stage keeps only its input per micro-batch; backward recomputes
-        def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
+        def stage(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
             block = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), w)
-            return apply_layers(layer_fn, block, h, extras, wrap)
+            return apply_layers(layer_fn, block, h, extras, None)
+
+        # The remat policy applies to the stage as a whole (full: keep only its input per tick,
+        # recompute it once in backward); without one nothing is recomputed.
+        apply = stage if wrap is None else wrap(stage)
 
         def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array]:
             arriving, circ = carry
