@@ -37,14 +37,11 @@ from sharding.inspection import COLLECTIVE_KINDS
 from sharding.pipeline import PipelineSpec, Schedule, check_pipeline
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-# Optimizer state per parameter byte (float32 moments shaped like the parameters).
-OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}  # float32 moments per parameter
 LM_FAMILIES = ("llama", "gpt2")
 # Saved-for-backward coefficients (see the module doc), per token per layer.
-SAVED_MODEL_WIDTHS = 6
-SAVED_COLUMN_OUTPUTS = 2.4
-SAVED_SCORE_COPIES = 2  # scores and probabilities, float32
-LOGIT_COPIES = 3  # logits, log-softmax and its cotangent, float32
+SAVED_MODEL_WIDTHS, SAVED_COLUMN_OUTPUTS = 6, 2.4
+SAVED_SCORE_COPIES, LOGIT_COPIES = 2, 3  # scores + probs; logits, log-softmax, its cotangent
 PIPELINE_FIELDS = ("name", "microbatches", "repeats", "ticks")
 
 
@@ -159,7 +156,7 @@ class Prediction:
             table.add_row(kind, ",".join(axes), what, str(count), fmt_bytes(nbytes))
         table.add_row("total", "", "", "", fmt_bytes(self.collective_bytes()), style="bold")
         mem = Table.grid(padding=(0, 2))
-        for name, value in (
+        rows = (
             ("parameters", f"{fmt_count(self.n_params)}, {fmt_bytes(self.param_bytes)}/device"),
             ("gradients / device", fmt_bytes(self.grad_bytes)),
             ("optimizer state / device", fmt_bytes(self.optimizer_bytes)),
@@ -167,8 +164,8 @@ class Prediction:
             ("working set / device", fmt_bytes(self.working_bytes)),
             ("memory / device (est.)", fmt_bytes(self.memory_bytes)),
             ("matmul FLOPs / device", fmt_count(self.matmul_flops)),
-            ("pipeline bubble", f"{self.bubble_fraction:.1%}"),
-        ):
+            ("pipeline bubble", f"{self.bubble_fraction:.1%}"))  # fmt: skip
+        for name, value in rows:
             mem.add_row(name, value)
         return Group(head, table, mem, *(Text(n, style="dim") for n in self.notes))
 
@@ -276,9 +273,8 @@ def _flops(s: Setup, rows: int) -> tuple[float, float]:
     cfg, sz = s.cfg, s.sizes
     t, p = sz["tensor"], sz["stage"]
     layer_mm = sum(q.size for q in s.params if q.role == "layer" and len(q.shape) >= 3)
-    head_mm = sum(
-        q.size for q in s.params if q.role == "head" or (q.role == "table" and tied(s.params))
-    )
+    head_mm = sum(q.size for q in s.params
+                  if q.role == "head" or (q.role == "table" and tied(s.params)))  # fmt: skip
     attn = 4 * s.seq * cfg.n_heads * cfg.head_dim  # q.k and p.v per token per layer, forward
 
     def layer_fwd(tokens: int, layers: float) -> float:
@@ -294,9 +290,8 @@ def _flops(s: Setup, rows: int) -> tuple[float, float]:
     if sched.name == "1f1b":
         # m forwards + m backwards (a VJP recomputing the forward) run; the stages tick in
         # lock-step, so each of the 2(m+p-1) ticks lasts a backward.
-        return stage * (4 + extra) * sched.microbatches + head, stage * (
-            3 + extra
-        ) * sched.ticks + head
+        return (stage * (4 + extra) * sched.microbatches + head,
+                stage * (3 + extra) * sched.ticks + head)  # fmt: skip
     # gpipe/circular: every tick runs (bubble ticks on zeros); remat full recomputes the stage
     # once in backward, none and dots recompute no matmul.
     flops = stage * (3 + extra) * sched.ticks + head
@@ -342,9 +337,8 @@ def predict(
               remat=remat)  # fmt: skip
     sz, cfg = s.sizes, s.cfg
     rows = batch // (sz["data"] * sz["fsdp"])
-    param_bytes = sum(
-        q.nbytes // math.prod(sz[a] for a in q.axes) for q in s.params
-    )  # float32 master weights, one shard per device
+    # float32 master weights, one shard per device
+    param_bytes = sum(q.nbytes // math.prod(sz[a] for a in q.axes) for q in s.params)
     moments = OPTIMIZER_MOMENTS[optimizer]
     layer_act = _layer_activations(s, rows * seq)
     p = sz["stage"]
@@ -355,15 +349,11 @@ def predict(
         sched = s.schedule
         mb_act = _layer_activations(s, rows * seq // sched.microbatches)
         mb_in = rows * seq // sched.microbatches * cfg.d_model * s.act_bytes
-        if sched.name == "1f1b":
-            # Stage inputs held per buffer slot; the backward of one micro-batch recomputes the
-            # stage, saving each layer's activations (or inputs).
+        tick_layers = cfg.n_layers // (p * sched.repeats)
+        if sched.name == "1f1b":  # stage inputs per buffer slot; one backward recomputes a stage
             stage_saved = (cfg.n_layers // p) * (mb_in if remat == "full" else mb_act)
             activations, transient = sched.buffer_slots * mb_in, stage_saved + mb_act
-        else:
-            # gpipe/circular, per tick: remat full keeps the stage's input and recomputes the
-            # stage once in backward; otherwise every layer of the tick keeps its activations.
-            tick_layers = cfg.n_layers // (p * sched.repeats)
+        else:  # per tick: the stage's input (remat full), else every layer's activations
             if remat == "full":
                 activations, transient = sched.ticks * mb_in, tick_layers * mb_act + mb_act
             else:
