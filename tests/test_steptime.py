@@ -82,7 +82,7 @@ def test_intra_and_inter_node_groups_on_two_nodes():
     assert tensor.bandwidth_s == pytest.approx(1.75 * 8e8 / NVLINK)
     assert tensor.latency_s == pytest.approx(OP + 14 * HOP)
     assert (data.group, data.link, data.inside_node, data.factor) == (2, "InfiniBand", False, 1.0)
-    assert data.seconds == pytest.approx(1e9 / IB + OP + 2 * 5e-6)
+    assert data.time_s == pytest.approx(1e9 / IB + OP + 2 * 5e-6)
     assert st.warnings == []
     # tensor=2,data=8: the tensor pairs stay on NVLink, the data ring of 8 crosses InfiniBand.
     st = _price({"tensor": 2, "data": 8},
@@ -90,13 +90,13 @@ def test_intra_and_inter_node_groups_on_two_nodes():
                 CollectiveWork("all-reduce", ("data",), 1e9, 1))  # fmt: skip
     tensor, data = st.collectives
     assert (tensor.link, tensor.factor) == ("NVLink", 1.0)  # 2(n-1)/n at n = 2
-    assert tensor.seconds == pytest.approx(8e8 / NVLINK + OP + 2 * HOP)
+    assert tensor.time_s == pytest.approx(8e8 / NVLINK + OP + 2 * HOP)
     assert (data.link, data.factor, data.group) == ("InfiniBand", 1.75, 8)
-    assert data.seconds == pytest.approx(1.75 * 1e9 / IB + OP + 14 * 5e-6)
+    assert data.time_s == pytest.approx(1.75 * 1e9 / IB + OP + 14 * 5e-6)
     # tensor across nodes: priced at InfiniBand and flagged.
     st = _price({"tensor": 16}, CollectiveWork("all-gather", ("tensor",), 1.6e9, 1))
     assert st.collectives[0].link == "InfiniBand"
-    assert st.collectives[0].seconds == pytest.approx(15 / 16 * 1.6e9 / IB + OP + 15 * 5e-6)
+    assert st.collectives[0].time_s == pytest.approx(15 / 16 * 1.6e9 / IB + OP + 15 * 5e-6)
     assert st.warnings[0].startswith("tensor=16 spans 2 nodes")
 
 
@@ -111,7 +111,7 @@ def test_latency_dominates_small_collectives():
                 CollectiveWork("collective-permute", ("stage",), 1e6, 4),
                 CollectiveWork("all-reduce", None, 1e6, 1))  # fmt: skip
     permute, unknown = st.collectives
-    assert permute.seconds == pytest.approx(1e6 / IB + 4 * (OP + 5e-6))
+    assert permute.time_s == pytest.approx(1e6 / IB + 4 * (OP + 5e-6))
     assert (unknown.group, unknown.link, unknown.overlap) == (
         16,
         "InfiniBand",
@@ -131,7 +131,7 @@ def test_gradient_reductions_hide_behind_the_backward_up_to_the_overlap():
     grad = CollectiveWork("all-reduce", ("data",), 1.44e9, 1)
     st = step_time(_work(collectives=[grad]), "h100")
     (c,) = st.collectives
-    assert c.seconds == pytest.approx(0.007 + AR8)
+    assert c.time_s == pytest.approx(0.007 + AR8)
     window = 0.8 * 2 / 3 * 0.01  # 80% of the backward, 2/3 of 10 ms
     assert (c.overlap, c.exposed_s) == ("grad", pytest.approx((0.007 + AR8) - window))
     assert st.step_s == pytest.approx(0.01 + (0.007 + AR8) - window)
@@ -151,7 +151,7 @@ def test_fsdp_gathers_share_the_compute_window_with_the_reductions():
     scatter = CollectiveWork("reduce-scatter", ("fsdp",), 2.88e9, 1)
     st = step_time(_work(mesh={"fsdp": 8}, collectives=[gather, scatter]), "h100")
     g, s = st.collectives
-    assert g.seconds == pytest.approx(0.014 + 2 * AG8) and s.seconds == pytest.approx(0.007 + AG8)
+    assert g.time_s == pytest.approx(0.014 + 2 * AG8) and s.time_s == pytest.approx(0.007 + AG8)
     hidden_grad = 0.8 * 2 / 3 * 0.01
     assert s.exposed_s == pytest.approx((0.007 + AG8) - hidden_grad)
     assert g.exposed_s == pytest.approx((0.014 + 2 * AG8) - (0.008 - hidden_grad))

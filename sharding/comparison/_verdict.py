@@ -200,12 +200,12 @@ def recommend(
         )
     elif one and dp:
         lines.append("And dp is the fastest here too.")
-    moved = sorted(p.collectives, key=lambda x: -x.seconds)[:3]
+    moved = sorted(p.collectives, key=lambda x: -x.time_s)[:3]
     if moved:
         said = [
             f"{x.kind} of {fmt_bytes(x.bytes)} over {','.join(x.axes or ('?',))} ({x.group} "
             f"devices, {x.link}, {'inside a node' if x.inside_node else 'across nodes'}) in "
-            f"{x.count} op(s): {_ms(x.seconds)}, {_ms(x.exposed_s)} exposed"
+            f"{x.count} op(s): {_ms(x.time_s)}, {_ms(x.exposed_s)} exposed"
             for x in moved
         ]
         lines.append("What it communicates per step: " + "; ".join(said) + ".")

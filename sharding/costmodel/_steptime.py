@@ -102,7 +102,8 @@ class StepWork:
 
 @dataclass(frozen=True)
 class CollectiveTime:
-    """One priced collective: group size, ring factor, link, seconds, and seconds exposed."""
+    """One priced collective: group size, ring factor, link, its time (``time_s`` = bandwidth +
+    latency) and the part of it exposed after overlap."""
 
     kind: str
     axes: tuple[str, ...] | None
@@ -114,7 +115,7 @@ class CollectiveTime:
     inside_node: bool
     bandwidth_s: float
     latency_s: float
-    seconds: float
+    time_s: float
     exposed_s: float
     overlap: str
 
@@ -241,7 +242,7 @@ def step_time(
     return StepTime(
         target=tgt.name, mesh=dict(topo.sizes), devices=tgt.devices,
         compute_s=matmul_s + memory_s, matmul_s=matmul_s, memory_bound_s=memory_s,
-        comm_s=sum(c.seconds for c in collectives), exposed_comm_s=exposed_s, bubble_s=bubble_s,
+        comm_s=sum(c.time_s for c in collectives), exposed_comm_s=exposed_s, bubble_s=bubble_s,
         step_s=step_s, unit=work.unit, throughput=throughput,
         throughput_per_device=throughput / tgt.devices,
         mfu=work.model_flops / (step_s * tgt.devices * peak) if work.model_flops else None,
