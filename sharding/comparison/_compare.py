@@ -35,7 +35,8 @@ from sharding.comparison._evaluate import (
 from sharding.comparison._result import Comparison, Skipped, check_output
 from sharding.comparison._verdict import recommend
 from sharding.costmodel import MEMORY_FRACTION, Layout, layouts, strategy_names
-from sharding.targets import Target, target
+from sharding.targets import Target
+from sharding.targets import target as parse_target
 
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "dots", "full")
@@ -101,7 +102,7 @@ def compare(
     """
     work = _workload(model, size, cfg)
     seq = _check(work, batch, seq, timed_steps, warmup_steps)
-    tgt = target if isinstance(target, Target) else _target(target)
+    tgt = target if isinstance(target, Target) else parse_target(target)
     dtypes, remats = _choices("--dtype", dtype, DTYPES), _choices("--remat", remat, REMATS)
     budget = (int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_budget is None
               else _bytes(memory_budget))  # fmt: skip
@@ -219,10 +220,6 @@ def _without_layout(strategies, todo, devices, depth, mesh, work) -> list[Skippe
             )
         out.append(Skipped(name, mesh or "-", why))
     return out
-
-
-def _target(text: str) -> Target:
-    return target(text)
 
 
 def _devices(tgt: Target) -> list:
