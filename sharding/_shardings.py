@@ -103,6 +103,22 @@ def check_stack_staged(param_shardings: Any, stack: str, mesh: jshard.Mesh) -> N
             )
 
 
+def stage_weights_whole_over_fsdp(param_shardings: Any, mesh: jshard.Mesh) -> Any:
+    """The parameters' shardings without ``fsdp`` (None when fsdp is 1): under pp_fsdp a stage
+    gathers its weights once per step instead of once per layer per tick."""
+    if dict(mesh.shape).get("fsdp", 1) == 1:
+        return None
+
+    def drop(e: Any) -> Any:
+        kept = tuple(a for a in ((e,) if isinstance(e, str) else (e or ())) if a != "fsdp")
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return jax.tree.map(
+        lambda s: jshard.NamedSharding(mesh, jshard.PartitionSpec(*map(drop, s.spec))),
+        param_shardings,
+    )
+
+
 def check_batch_split(batch_shapes: dict, mesh_shape: dict[str, int], accum_steps: int) -> int:
     """Validate the global batch against the mesh and accumulation; returns the batch size."""
     sizes = {k: v.shape[0] for k, v in batch_shapes.items()}

@@ -43,6 +43,7 @@ from sharding._shardings import (  # noqa: F401  (re-exported: the errors are th
     layer_wrapper,
     remat_wrapper,
     shardings_like_params,
+    stage_weights_whole_over_fsdp,
 )
 from sharding._stack import StackError, find_stack, n_layers, scan_call, taken_over
 from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
@@ -249,8 +250,10 @@ def compile_train_step(
         batch = next(iter(batch_shapes.values())).shape[0]
         schedule = check_pipeline(pipeline, mesh, depth, batch // accum_steps)
     param_shardings, unused_rules = resolve_reporting(rules, axis_map, params, mesh, fn=fn)
+    gathered = None
     if pipeline is not None:
         check_stack_staged(param_shardings, stack, mesh)
+        gathered = stage_weights_whole_over_fsdp(param_shardings, mesh)
     else:
         check_no_stage_split(param_shardings, mesh)
     if remat != "none" and stack is None and not remat_kw:
@@ -287,7 +290,7 @@ def compile_train_step(
         model = nnx.merge(graphdef, cast)
         if schedule is not None:
             return pipelined_loss(
-                loss_fn, model, micro, stack, schedule, mesh, remat_wrapper(remat)
+                loss_fn, model, micro, stack, schedule, mesh, remat_wrapper(remat), gathered
             )
         if stack is None:
             return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)

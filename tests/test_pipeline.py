@@ -228,3 +228,18 @@ def test_gpipe_recomputes_only_what_the_remat_policy_asks(remat, backward):
                              hlo_text=prog.compiled.as_text(), remat=remat).pipeline  # fmt: skip
     forward, back = sorted(ticks["tick_flops"])
     assert back == backward * forward
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_fsdp_gathers_each_stage_once_per_step(schedule):
+    """pp x fsdp: a stage's weights are all-gathered over fsdp once per step, before the ticks
+    (one gather per stacked array), not once per layer per tick; the numbers stay the one
+    device's."""
+    prog = program("pp_fsdp", "stage=2,fsdp=4", schedule, 4)
+    report = prog.report()
+    stack_arrays = len(jax.tree.leaves(prog.abstract_state["params"]["layers"]))
+    gathers = [op for op in report.collectives if op.kind == "all-gather" and op.axes == ("fsdp",)]
+    whole = [op for op in gathers if op.shape.startswith(("f32[2,", "bf16[2,"))]
+    assert sum(op.multiplicity for op in whole) == stack_arrays  # [L/p, ...] each, once
+    assert all(op.multiplicity == 1 for op in gathers)  # nothing gathered per tick
+    assert_matches_reference(prog)

@@ -216,7 +216,7 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
     else:  # every tick runs the stage's layers on one micro-batch (bubble ticks on zeros)
         passes, per_pass_layers = sched.ticks, n_layers // p
         a = act / sched.microbatches
-        remat = remat or sched.name != "1f1b"  # gpipe/circular rematerialise the stage body
+        remat = s.remat == "full"  # gpipe/circular recompute a tick's stage only under full
     if sched is not None and sched.name == "1f1b":
         # Ticks branch between forward and backward (a VJP that recomputes the forward): a
         # stage runs m of each; idle ticks run nothing.
@@ -226,7 +226,12 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
         for q in s.params
         if q.role == "layer" and "fsdp" in q.axes
     )
-    if layer_gathered and sz.get("fsdp", 1) > 1:
+    if layer_gathered and sz.get("fsdp", 1) > 1 and sched is not None:
+        # pp_fsdp: each stage gathers its layers' weights once per step, before the ticks.
+        arrays = sum(1 for q in s.params if q.role == "layer" and "fsdp" in q.axes)
+        out.add("all-gather", ("fsdp",), layer_gathered / p * s.act_bytes, arrays,
+                "stage weights, once per step")  # fmt: skip
+    elif layer_gathered and sz.get("fsdp", 1) > 1:
         # ZeRO-3: each layer's weights gathered for its forward and again for its backward.
         nbytes = layer_gathered / n_layers * per_pass_layers * s.act_bytes
         out.add("all-gather", ("fsdp",), 2 * passes * nbytes, 2 * passes * per_pass_layers,

@@ -276,24 +276,30 @@ def pipelined_loss(
     schedule: Schedule,
     mesh: jshard.Mesh,
     wrap: Callable | None,
+    gathered: Any = None,
 ) -> jax.Array:
     """``loss_fn(model, batch)``, the user's function as written, with the stack at module path
     ``stack`` pipelined over ``stage``.
+
+    ``gathered``: shardings of the parameters without the ``fsdp`` axis (pp_fsdp): each stage's
+    weights (and, in 1f1b, those the loss reads per micro-batch) are gathered once per step
+    before the ticks, their gradients reduced once after, not once per layer per tick.
 
     gpipe and circular run the whole loss once with the stack's call replaced by the pipeline.
     1f1b runs the part after the stack per micro-batch on the last stage and averages: exact for
     a loss that is a mean over the batch's rows (plus terms that read no stack weight).
     """
     if schedule.name == "1f1b":
-        return _loss_1f1b(loss_fn, model, batch, stack, schedule, mesh, wrap)
+        return _loss_1f1b(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered)
     m = schedule.microbatches
 
     def run(call: StackCall) -> jax.Array:
         extras = Extras.of(call, stack)
         h_m = to_microbatches(call.h, m, mesh)
         extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
-        out = scan_pipeline(extras.layer_fn(call), call.state, h_m, extras_m, mesh=mesh,
-                            schedule=schedule, wrap=wrap)  # fmt: skip
+        layers = _gather(call.state, None if gathered is None else split_state(gathered, stack)[0])
+        out = scan_pipeline(extras.layer_fn(call), layers, h_m, extras_m,
+                            mesh=mesh, schedule=schedule, wrap=wrap)  # fmt: skip
         return from_microbatches(out)
 
     with taken_over(model, stack, run) as calls:
@@ -310,6 +316,7 @@ def _loss_1f1b(
     schedule: Schedule,
     mesh: jshard.Mesh,
     wrap: Callable | None,
+    gathered: Any = None,
 ) -> jax.Array:
     p, m = schedule.stages, schedule.microbatches
     graphdef, state = nnx.split(model)
@@ -320,7 +327,10 @@ def _loss_1f1b(
     call = _only_call(calls, stack)
     extras = Extras.of(call, stack)
     _, rest = split_state(state, stack)
-    layers = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]), call.state)
+    whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
+    rest = _gather(rest, whole_rest)
+    layers = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]),
+                          _gather(call.state, whole_stack))  # fmt: skip
     # After the stack nothing may read a layer weight: the last stage holds only its own.
     layer_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), call.state)
     layer_fn = extras.layer_fn(call)
@@ -351,6 +361,13 @@ def _loss_1f1b(
     return one_f_one_b(
         stage_fn, head_loss, layers, rest, h_m, extras_m, batch_m, mesh=mesh, schedule=schedule
     )
+
+
+def _gather(state: Any, shardings: Any) -> Any:
+    """``state`` constrained to ``shardings`` (None, or a tree of another shape: as it is)."""
+    if shardings is None or jax.tree.structure(state) != jax.tree.structure(shardings):
+        return state
+    return jax.tree.map(lax.with_sharding_constraint, state, shardings)
 
 
 def reads_inputs(fn: Callable, args: tuple) -> bool:
