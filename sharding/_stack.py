@@ -45,14 +45,26 @@ class StackCall:
         return self.layer_call(nnx.merge(self.graphdef, layer_state), h, *args, **kwargs)
 
 
-def scan_call(call: StackCall, wrap: Callable | None) -> jax.Array:
-    """The stack's own computation (its layers in order, in a scan), each layer under ``wrap``."""
+# A layer: (one layer's state, h, its extra inputs as a list of arrays) -> h.
+LayerFn = Callable[[Any, jax.Array, list], jax.Array]
+
+
+def apply_layers(
+    layer_fn: LayerFn, block: Any, h: jax.Array, extras: list, wrap: Callable | None
+) -> jax.Array:
+    """Apply a stack of layers (leading axis) to h with a scan, each layer wrapped by `wrap`."""
 
     def body(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
-        return call.apply_layer(layer, h, call.args, call.kwargs), None
+        return layer_fn(layer, h, extras), None
 
-    h, _ = jax.lax.scan(wrap(body) if wrap else body, call.h, call.state)
+    h, _ = jax.lax.scan(wrap(body) if wrap else body, h, block)
     return h
+
+
+def scan_call(call: StackCall, wrap: Callable | None) -> jax.Array:
+    """The stack's own computation (its layers in order, in a scan), each layer under ``wrap``."""
+    layer = lambda st, h, _: call.apply_layer(st, h, call.args, call.kwargs)  # noqa: E731
+    return apply_layers(layer, call.state, call.h, [], wrap)
 
 
 def path_parts(path: str) -> tuple[str, ...]:
@@ -168,5 +180,5 @@ def _key(state: Any, part: str) -> Any:
     return int(part) if part not in state and part.isdigit() else part
 
 
-__all__ = ["StackCall", "StackError", "find_stack", "join_state", "n_layers", "scan_call", "split_state",
+__all__ = ["LayerFn", "StackCall", "StackError", "apply_layers", "find_stack", "join_state", "layer_class", "n_layers", "scan_call", "split_state",
            "taken_over"]  # fmt: skip

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sharding._devices import cpu_only
-from sharding._mesh import simulate_cpu_devices
+from sharding._mesh import MeshSpec, simulate_cpu_devices
 from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
 from sharding._workload import Workload
 from sharding.comparison._errors import (
@@ -209,7 +209,9 @@ def _without_layout(strategies, todo, devices, depth, mesh, work) -> list[Skippe
             continue
         if name.startswith("pp") and work.stack is None:
             why = f"the workload {work.name!r} names no layer stack to pipeline (stack=None)"
-        elif name.startswith("pp") and mesh is not None and "stage=" not in str(mesh):
+        elif (
+            name.startswith("pp") and mesh and MeshSpec.of(mesh).resolve(devices).sizes["stage"] < 2
+        ):
             why = f"--mesh {mesh} has no stage axis; a pipeline needs stage >= 2"
         elif name.startswith("pp"):
             why = (f"{depth} layers do not split into stages of {devices} devices (stages must "

@@ -27,7 +27,7 @@ from flax import nnx
 from jax import lax
 from jax import sharding as jshard
 
-from sharding._stack import StackCall, join_state, split_state, taken_over
+from sharding._stack import LayerFn, StackCall, apply_layers, join_state, split_state, taken_over
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._onefoneb import one_f_one_b, psum32, varying
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
@@ -105,10 +105,6 @@ def _stage_view(layers: Any, stages: int, repeats: int) -> Any:
 def _shift_next(x: Any, stages: int) -> Any:
     """Send to stage s+1 (the last stage sends to stage 0, used by circular's next repeat)."""
     return lax.ppermute(x, "stage", [(s, (s + 1) % stages) for s in range(stages)])
-
-
-# A layer: (one layer's state, h, the micro-batch's extra inputs as a list of arrays) -> h.
-LayerFn = Callable[[Any, jax.Array, list], jax.Array]
 
 
 def scan_pipeline(
@@ -190,20 +186,6 @@ def scan_pipeline(
         out_specs=batch_spec,
         axis_names={"stage", "data"},
     )(stage_layers, h_m, extras_m)
-
-
-def apply_layers(
-    layer_fn: LayerFn, block: Any, h: jax.Array, extras: list, wrap: Callable | None
-) -> jax.Array:
-    """Apply a stack of layers (leading axis) to h with a scan, each layer wrapped by `wrap`."""
-
-    def body(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
-        return layer_fn(layer, h, extras), None
-
-    if wrap is not None:
-        body = wrap(body)
-    h, _ = lax.scan(body, h, block)
-    return h
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from flax import nnx
 from jax import sharding as jshard
 from rich.table import Table
 
+from sharding._stack import apply_layers, layer_class
 from sharding._units import fmt_bytes, fmt_count
 from sharding.inspection import count_flops
-from sharding.pipeline._scan import PipelineSpec, apply_layers, scan_pipeline, to_microbatches
+from sharding.pipeline._scan import PipelineSpec, scan_pipeline, to_microbatches
 from sharding.pipeline._schedule import check_layers
 
 
@@ -109,7 +110,7 @@ def stage_report(
     per = check_layers(n_layers, stages, spec.repeats)
     h = _embedded_shape(model, microbatch_rows, seq_len)
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), layers)
-    call = (getattr(type(model.layers), "layer_class", None) or type(model.layers)).__call__
+    call = (layer_class(model.layers) or type(model.layers)).__call__
     layer_flops = _flops(lambda w, x: call(nnx.merge(gdef, w), x), one, h)
     graphdef, state = nnx.split(model)
     shared = nnx.State({k: v for k, v in state.items() if k != "layers"})
@@ -158,7 +159,7 @@ def stack_flop_overhead(
     schedule = spec.table(mesh.shape["stage"])
     gdef, layers = nnx.split(model.layers)
     h = _embedded_shape(model, batch, seq_len)
-    call = (getattr(type(model.layers), "layer_class", None) or type(model.layers)).__call__
+    call = (layer_class(model.layers) or type(model.layers)).__call__
 
     def layer_fn(state: Any, x: jax.Array, extras: list) -> jax.Array:
         return call(nnx.merge(gdef, state), x)
