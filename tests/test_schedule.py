@@ -28,151 +28,214 @@ from sharding.pipeline import (
     render,
 )
 
-F, B = Kind.FORWARD, Kind.BACKWARD
+F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
 
 
 def positions(grid, kind, offset=0):
-    """{(stage, microbatch, repeat): tick} of ``kind``; fails on any action seen twice."""
+    """{(stage, microbatch, repeat): (tick, place in its cell)} of ``kind``; fails on any
+    action seen twice or a cell holding two actions of one kind."""
     seen = {}
     for t, row in enumerate(grid):
-        for s, a in enumerate(row):
-            if a.kind is kind:
-                key = (s, a.microbatch, a.repeat)
-                assert key not in seen, f"{kind} {key} at ticks {seen[key]} and {t + offset}"
-                seen[key] = t + offset
+        for s, cell in enumerate(row):
+            assert len({a.kind for a in cell}) == len(cell), (t, s, cell)
+            for k, a in enumerate(cell):
+                if a.kind is kind:
+                    key = (s, a.microbatch, a.repeat)
+                    assert key not in seen, f"{kind} {key} at ticks {seen[key]} and {t + offset}"
+                    seen[key] = (t + offset, k)
     return seen
 
 
+def before(x, y):
+    """Action at x = (tick, place) runs before the one at y: an earlier tick, or earlier in the
+    same cell (a result is used by a later action of the same stage in the same tick)."""
+    return x < y
+
+
 def check(sched):
-    """Every rule of a lock-step pipeline, from the tables alone; returns (F ticks, B ticks)."""
+    """Every rule of a lock-step pipeline, from the tables alone; returns (F, B, W) positions."""
     p, m, r, T = sched.stages, sched.microbatches, sched.repeats, sched.ticks
     assert len(sched.table) == T and all(len(row) == p for row in sched.table)
     # Autodiff's backward scan follows the forward one, so its ticks count from T.
     fwd = positions(sched.table, F)
-    bwd = (
-        positions(sched.table, B) if sched.name == "1f1b" else positions(sched.backward_table, B, T)
-    )
+    explicit = sched.name in ("1f1b", "interleaved", "zb-h1")
+    bwd = positions(sched.table, B) if explicit else positions(sched.backward_table, B, T)
+    wgt = positions(sched.table, W)
     everything = {(s, i, j) for s in range(p) for i in range(m) for j in range(r)}
-    assert set(fwd) == everything and set(bwd) == everything  # each exactly once (per repeat)
-    for (s, i, j), t in fwd.items():
+    assert set(fwd) == everything and set(bwd) == everything  # each exactly once (per chunk)
+    assert set(wgt) == (everything if sched.name == "zb-h1" else set())
+    for (s, i, j), (t, _) in fwd.items():
         if s > 0:  # the previous stage's output crosses one ppermute: a tick later at the earliest
-            assert t > fwd[s - 1, i, j], (s, i, j)
-        elif j > 0:  # circular: the last stage's output of the previous repeat wraps to stage 0
-            assert t > fwd[p - 1, i, j - 1], (s, i, j)
-    for (s, i, j), t in bwd.items():
-        assert t > fwd[s, i, j], (s, i, j)
+            assert t > fwd[s - 1, i, j][0], (s, i, j)
+        elif j > 0:  # a chunked schedule: the last stage's output wraps to stage 0
+            assert t > fwd[p - 1, i, j - 1][0], (s, i, j)
+    for (s, i, j), at in bwd.items():
+        assert before(fwd[s, i, j], at), (s, i, j)
+        if at[0] == fwd[s, i, j][0]:  # only where the loss is: the last virtual stage
+            assert (s, j) == (p - 1, r - 1), (s, i, j)
         if s < p - 1:
-            assert t > bwd[s + 1, i, j], (s, i, j)
-        elif j < r - 1:  # reversed wrap: repeat j's last stage waits for repeat j+1's stage 0
-            assert t > bwd[0, i, j + 1], (s, i, j)
-    if sched.name == "1f1b":
-        for i in range(m):  # the loss is at the last stage: its backward can follow at once
-            assert bwd[p - 1, i, 0] == fwd[p - 1, i, 0] + 1
-        for s in range(p):  # steady state: from the first B to the last F, strictly F/B/F/B
-            first_b, last_f = bwd[s, 0, 0], fwd[s, m - 1, 0]
-            kinds = [sched.table[t][s].kind for t in range(first_b, last_f + 1)]
-            assert all(k is not Kind.IDLE for k in kinds), (s, kinds)
-            assert all(a is not b for a, b in itertools.pairwise(kinds)), (s, kinds)
-            for i in range(m - 1):  # a stage keeps micro-batch order
-                assert fwd[s, i, 0] < fwd[s, i + 1, 0] and bwd[s, i, 0] < bwd[s, i + 1, 0]
-    check_arrivals(sched, fwd)
-    return fwd, bwd
+            assert at[0] > bwd[s + 1, i, j][0], (s, i, j)
+        elif j < r - 1:  # reversed wrap: chunk j's last stage waits for chunk j+1's stage 0
+            assert at[0] > bwd[0, i, j + 1][0], (s, i, j)
+    for key, at in wgt.items():
+        assert before(bwd[key], at), key
+    check_arrivals(sched, fwd, bwd)
+    return fwd, bwd, wgt
 
 
-def check_arrivals(sched, fwd):
+def check_arrivals(sched, fwd, bwd):
     """activation_in/cotangent_in name exactly what the neighbour sent the tick before."""
     p, r, T = sched.stages, sched.repeats, sched.ticks
+    idle = Action(Kind.IDLE)
     for t in range(T):
         for s in range(p):
+            want_act = want_cot = idle
+            for a in sched.table[t - 1][s - 1] if t > 0 else ():
+                if a.kind is F and s > 0:
+                    want_act = a
+                elif a.kind is F and a.repeat < r - 1:
+                    want_act = Action(F, a.microbatch, a.repeat + 1)
+            for a in sched.table[t - 1][(s + 1) % p] if t > 0 else ():
+                if a.kind is B and s < p - 1:
+                    want_cot = a
+                elif a.kind is B and a.repeat > 0:
+                    want_cot = Action(B, a.microbatch, a.repeat - 1)
             act, cot = sched.activation_in[t][s], sched.cotangent_in[t][s]
-            want_act = want_cot = Action(Kind.IDLE)
-            if t > 0 and s > 0 and sched.table[t - 1][s - 1].kind is F:
-                want_act = sched.table[t - 1][s - 1]
-            wrap = sched.table[t - 1][p - 1] if t > 0 else Action(Kind.IDLE)
-            if s == 0 and sched.name == "circular" and wrap.kind is F and wrap.repeat < r - 1:
-                want_act = Action(F, wrap.microbatch, wrap.repeat + 1)
-            if t > 0 and s < p - 1 and sched.table[t - 1][s + 1].kind is B:
-                want_cot = sched.table[t - 1][s + 1]
             assert (act, cot) == (want_act, want_cot), (t, s)
-            if act.kind is F:  # the input is there before the forward that needs it
-                assert fwd[s, act.microbatch, act.repeat] >= t
-            if cot.kind is B:  # 1f1b cotangents are used on arrival: no cotangent buffer
-                assert sched.table[t][s] == cot
+            if act.kind is F:  # the input is there no later than the forward that needs it
+                assert fwd[s, act.microbatch, act.repeat][0] >= t
+            if cot.kind is B:
+                assert bwd[s, cot.microbatch, cot.repeat][0] >= t
 
 
-def held(sched, fwd, bwd):
-    """{stage: max micro-batches held from forward to backward}, counted tick by tick."""
-    return {
-        s: max(
-            sum(fwd[s, i, j] <= t <= bwd[s, i, j] for (s2, i, j) in fwd if s2 == s)
-            for t in range(2 * sched.ticks)
-        )
-        for s in range(sched.stages)
-    }
+def held(sched):
+    """{stage: max micro-batch chunks held from their forward to their last action}."""
+    first, last = {}, {}
+    for t, row in enumerate(sched.table + sched.backward_table):
+        for s, cell in enumerate(row):
+            for a in cell:
+                first.setdefault((s, a.microbatch, a.repeat), t)
+                last[s, a.microbatch, a.repeat] = t
+    return {s: max(sum(first[k] <= t <= last[k] for k in first if k[0] == s)
+                   for t in range(2 * sched.ticks)) for s in range(sched.stages)}  # fmt: skip
+
+
+def check_slots(sched):
+    """No two values share a slot of a buffer while both are live (from `Schedule.slots`):
+    act from arrival to forward, cot from arrival (or the last stage's forward) to backward,
+    res from forward to the last backward action, wct from B to W."""
+    p, r = sched.stages, sched.repeats
+    live = {}
+
+    def mark(buf, s, a, t):
+        span = live.setdefault((buf, s, a.microbatch, a.repeat), [t, t])
+        span[1] = t
+
+    for t, row in enumerate(sched.table):
+        for s in range(p):
+            for buf, a in (("act", sched.activation_in[t][s]), ("cot", sched.cotangent_in[t][s])):
+                if a.kind is not Kind.IDLE:
+                    mark(buf, s, a, t)
+            for a in row[s]:
+                key = (s, a.microbatch, a.repeat)
+                if a.kind is F and ("act", *key) in live:
+                    mark("act", s, a, t)
+                if not sched.explicit:
+                    continue
+                if a.kind is F:
+                    mark("res", s, a, t)
+                    if s == p - 1 and a.repeat == r - 1:
+                        mark("cot", s, a, t)
+                elif a.kind is B:
+                    mark("cot", s, a, t)
+                    mark("res", s, a, t)
+                    if sched.splits_backward:
+                        mark("wct", s, a, t)
+                else:
+                    mark("res", s, a, t)
+                    mark("wct", s, a, t)
+    by_slot = {}
+    for (buf, s, i, j), slot in sched.slots.of.items():
+        by_slot.setdefault((buf, s, slot), []).append(live[buf, s, i, j])
+    assert {k for k in live} == set(sched.slots.of)
+    for key, ranges in by_slot.items():
+        ranges.sort()
+        for (_, end), (start, _) in itertools.pairwise(ranges):
+            assert end < start, (key, ranges)
 
 
 CASES = [(p, m, r) for p in (2, 4) for m in sorted({p, 2 * p, 8}) for r in (1, 2)]
 
 
 def schedules_for(p, m, r):
-    return (
-        [make_schedule(p, m, "circular", r)]
-        if r > 1
-        else [make_schedule(p, m, n) for n in ("gpipe", "1f1b")]
-    )
+    if r > 1:
+        return [
+            make_schedule(p, m, n, r)
+            for n in ("circular", "interleaved")
+            if n != "interleaved" or m % p == 0
+        ]
+    return [make_schedule(p, m, n) for n in ("gpipe", "1f1b", "zb-h1")]
+
+
+def bubble_of(name, p, m, r):
+    """Closed forms with a forward, an input gradient and a weight gradient of equal cost."""
+    return {"gpipe": Fraction(p - 1, m + p - 1), "1f1b": Fraction(p - 1, m + p - 1),
+            "circular": Fraction(p - 1, r * m + p - 1),
+            "interleaved": Fraction(p - 1, r * m + p - 1),
+            "zb-h1": Fraction(p - 1, 3 * m + p - 1)}[name]  # fmt: skip
 
 
 @pytest.mark.parametrize(("p", "m", "r"), CASES)
 def test_ticks_and_bubble(p, m, r):
     for sched in schedules_for(p, m, r):
-        expect = {"gpipe": m + p - 1, "circular": r * m + p - 1, "1f1b": 2 * (m + p - 1)}
-        assert sched.ticks == expect[sched.name]
-        bubble = Fraction(p - 1, r * m + p - 1)
-        assert sched.bubble_fraction == float(bubble)
-        idle = sum(a.kind is Kind.IDLE for row in sched.table for a in row)
-        assert Fraction(idle, sched.ticks * p) == bubble
+        expect = {"gpipe": m + p - 1, "circular": r * m + p - 1, "1f1b": m + 2 * p - 2,
+                  "interleaved": r * m + r * p + p - 2, "zb-h1": 3 * m + p - 1}  # fmt: skip
+        assert sched.ticks == expect[sched.name], sched.name
+        assert sched.bubble_fraction == pytest.approx(float(bubble_of(sched.name, p, m, r)))
 
 
 @pytest.mark.parametrize(("p", "m", "r"), CASES)
 def test_dependencies_and_memory(p, m, r):
     for sched in schedules_for(p, m, r):
-        fwd, bwd = check(sched)
-        peak = held(sched, fwd, bwd)
+        fwd, bwd, _ = check(sched)
+        check_slots(sched)
+        peak = held(sched)
         assert sched.peak_activations == tuple(peak[s] for s in range(p))
         if sched.name == "gpipe":
             assert sched.peak_activations == (m,) * p
         elif sched.name == "circular":
             assert sched.peak_activations == (r * m,) * p
-        else:
-            assert sched.peak_activations == tuple(min(p - s, m) for s in range(p))
-            assert sched.peak_activations[0] <= p
+        elif sched.name == "1f1b":
+            assert sched.peak_activations == tuple(min(2 * (p - s) - 1, m) for s in range(p))
+            for (s, i, _), (t, _) in fwd.items():  # the closed forms of the module's table
+                assert (t, bwd[s, i, 0][0]) == (i + s, i + 2 * p - 2 - s)
+        elif sched.name == "zb-h1":  # never more than 1f1b's stage 0 holds
+            assert max(sched.peak_activations) <= p
 
 
-def test_1f1b_buffer_slots_cover_arrivals_without_collisions():
-    for p, m in [(1, 3), (2, 2), (2, 5), (3, 7), (4, 4), (4, 9), (6, 12)]:
-        sched = make_schedule(p, m, "1f1b")
-        fwd, bwd = check(sched)
-        assert sched.buffer_slots == p
-        arrive = {
-            (s, a.microbatch): t
-            for t, row in enumerate(sched.activation_in)
-            for s, a in enumerate(row)
-            if a.kind is F
-        }
-        for s in range(p):
-            for t in range(sched.ticks):
-                # stage 0 reads the data at its forward; the others keep what arrived
-                live = [
-                    i for i in range(m) if arrive.get((s, i), fwd[s, i, 0]) <= t <= bwd[s, i, 0]
-                ]
-                assert len(live) <= sched.buffer_slots
-                assert len({i % sched.buffer_slots for i in live}) == len(live), (s, t, live)
+def test_lock_step_costs_rank_the_schedules():
+    """Priced with forward, input-gradient and weight-gradient of equal cost at p=4, m=8: zb-h1's
+    bubble is a third of 1f1b's, interleaved v=2 half of it; uneven costs follow the slowest stage."""
+    one = make_schedule(4, 8, "1f1b").tick_costs(1.0, 1.0, 1.0)
+    assert (one.critical, one.busiest, one.bubble) == (33.0, 24.0, 9.0)
+    assert make_schedule(4, 8, "zb-h1").tick_costs(1.0, 1.0, 1.0).bubble == 3.0
+    assert make_schedule(4, 8, "interleaved", 2).tick_costs(1.0, 1.0, 1.0).bubble == 4.5
+    gp = make_schedule(4, 8, "gpipe").tick_costs(1.0, 1.0, 1.0)
+    assert (gp.critical, gp.busiest) == (33.0, 24.0)
+    # The last stage twice as slow: every tick it works in costs its time.
+    slow = make_schedule(2, 4, "1f1b").tick_costs([1.0, 2.0], [1.0, 2.0])
+    assert slow.ticks == (1.0, 4.0, 4.0, 4.0, 4.0, 1.0) and slow.busiest == 16.0
+    with pytest.raises(ScheduleError, match=r"forward costs: one per stage, 2 values, got 3"):
+        make_schedule(2, 4, "1f1b").tick_costs([1.0, 1.0, 1.0], 1.0)
 
 
-def test_circular_storage_is_m_minus_p():
-    assert make_schedule(4, 4, "circular", 2).buffer_slots == 0  # the ring feeds stage 0 directly
-    assert make_schedule(4, 7, "circular", 3).buffer_slots == 3
-    assert make_schedule(4, 8, "gpipe").buffer_slots == 0
+def test_buffer_slots():
+    assert make_schedule(4, 4, "circular", 2).buffer_slots == 1  # the ring feeds stage 0 at once
+    assert make_schedule(4, 7, "circular", 3).buffer_slots == 4  # m - p + 1 wait for stage 0
+    assert make_schedule(4, 8, "gpipe").buffer_slots == 1
+    assert make_schedule(4, 8, "1f1b").slots.residuals == 7  # 2p - 1 in flight on stage 0
+    zb = make_schedule(4, 8, "zb-h1").slots
+    assert (zb.residuals, zb.weight_cotangents) == (4, 4)
 
 
 @settings(max_examples=300, deadline=None)
@@ -183,27 +246,39 @@ def test_circular_storage_is_m_minus_p():
     name=st.sampled_from(SCHEDULES),
 )
 def test_every_schedule_is_valid_or_a_typed_error(p, m, r, name):
-    if (name == "circular" and r < 2) or (name != "circular" and r != 1):
+    chunked = name in ("circular", "interleaved")
+    if (chunked and r < 2) or (not chunked and r != 1):
         with pytest.raises(RepeatsError, match=f"repeats={r}"):
             make_schedule(p, m, name, r)
         return
-    if name in ("1f1b", "circular") and m < p:
+    if name != "gpipe" and m < p:
         with pytest.raises(TooFewMicrobatchesError, match=f"microbatches={m} < stages={p}"):
             make_schedule(p, m, name, r)
         return
+    if name == "interleaved" and m % p:
+        with pytest.raises(TooFewMicrobatchesError, match=f"microbatches={m} is not a multiple"):
+            make_schedule(p, m, name, r)
+        return
     sched = make_schedule(p, m, name, r)
-    fwd, bwd = check(sched)
-    peak = held(sched, fwd, bwd)
+    check(sched)
+    check_slots(sched)
+    peak = held(sched)
     assert sched.peak_activations == tuple(peak[s] for s in range(p))
-    assert sched.bubble_fraction == float(Fraction(p - 1, r * m + p - 1))
+    assert sched.bubble_fraction == pytest.approx(float(bubble_of(name, p, m, r)))
     assert json.loads(json.dumps(sched.to_dict()))["ticks"] == sched.ticks
 
 
 GOLDEN_1F1B = """\
-1f1b: stages=2 microbatches=4 ticks=10 bubble=20.0%
-tick     0  1  2  3  4  5  6  7  8  9
-stage 0 F0 F1  . B0 F2 B1 F3 B2  . B3
-stage 1  . F0 B0 F1 B1 F2 B2 F3 B3  ."""
+1f1b: stages=2 microbatches=4 ticks=6 bubble=20.0%
+tick       0    1    2    3    4    5
+stage 0   F0   F1 F2B0 F3B1   B2   B3
+stage 1    . F0B0 F1B1 F2B2 F3B3    ."""
+
+GOLDEN_ZB = """\
+zb-h1: stages=2 microbatches=2 ticks=7 bubble=14.3%
+tick     0  1  2  3  4  5  6
+stage 0 F0 F1  . B0 W0 B1 W1
+stage 1  . F0 B0 F1 B1 W0 W1"""
 
 GOLDEN_GPIPE = """\
 gpipe: stages=2 microbatches=2 ticks=3 bubble=33.3% (forward scan | backward scan: autodiff, reversed)
@@ -214,6 +289,7 @@ stage 1  . F0 F1 | B1 B0  ."""
 
 def test_render_golden():
     assert render(make_schedule(2, 4, "1f1b")) == GOLDEN_1F1B
+    assert render(make_schedule(2, 2, "zb-h1")) == GOLDEN_ZB
     assert str(make_schedule(2, 2, "gpipe")) == GOLDEN_GPIPE
     assert "stage 0 F0r0 F1r0 F0r1 F1r1    . |" in render(make_schedule(2, 2, "circular", 2))
 
@@ -225,8 +301,8 @@ def test_rich_and_dict():
     text = console.export_text()
     assert "stage 2" in text and "B3" in text
     d = json.loads(json.dumps(sched.to_dict()))
-    assert d["table"][0] == ["F0", ".", "."] and d["peak_activations"] == [3, 2, 1]
-    assert d["cotangent_in"][4] == [".", "B0", "."]  # B0 ran on stage 2 at tick 3
+    assert d["table"][2] == ["F2", "F1", "F0B0"] and d["peak_activations"] == [4, 3, 1]
+    assert d["cotangent_in"][3] == [".", "B0", "."]  # B0 ran on stage 2 at tick 2
     circ = make_schedule(2, 3, "circular", 2).to_dict()
     assert circ["activation_in"][2][0] == "F0r1" and circ["backward_table"][0] == [".", "B2r1"]
 
@@ -288,19 +364,24 @@ def test_layers():
         (
             (4, 8, "circular"),
             RepeatsError,
-            r"schedule='circular' needs repeats >= 2, got repeats=1: .* use schedule='gpipe'",
+            r"schedule='circular' needs repeats >= 2 .* got repeats=1: one chunk is gpipe",
         ),
         (
             (4, 8, "1f1b", 2),
             RepeatsError,
-            r"repeats=2 applies only to schedule='circular'; 1f1b .* Use schedule='circular' with repeats=2, or repeats=1",
+            r"repeats=2 applies only to schedules 'circular' and 'interleaved'; 1f1b .* with repeats=2, or repeats=1",
         ),
         (
             (4, 8, "1F1B"),
             UnknownScheduleError,
-            r"unknown pipeline schedule '1F1B'; choose one of gpipe, circular, 1f1b; did you mean '1f1b'\?",
+            r"unknown pipeline schedule '1F1B'; choose one of gpipe, circular, 1f1b, interleaved, zb-h1; did you mean '1f1b'\?",
         ),
-        ((4, 8, "zero-bubble"), UnknownScheduleError, r"choose one of gpipe, circular, 1f1b$"),
+        ((4, 8, "zero bubble"), UnknownScheduleError, r"choose one of gpipe, .*, zb-h1$"),
+        (
+            (4, 6, "interleaved", 2),
+            TooFewMicrobatchesError,
+            r"microbatches=6 is not a multiple of stages=4. Use microbatches=4 or 8, or schedule='1f1b'",
+        ),
     ],
 )
 def test_errors(args, error, match):

@@ -14,6 +14,7 @@ from sharding.pipeline._scan import (
     pipelined_loss,
 )
 from sharding.pipeline._schedule import (
+    EXPLICIT,
     SCHEDULES,
     Action,
     Kind,
@@ -22,6 +23,7 @@ from sharding.pipeline._schedule import (
     Schedule,
     ScheduleError,
     ScheduleSizeError,
+    TickCosts,
     TooFewMicrobatchesError,
     UnknownScheduleError,
     check_layers,
@@ -31,6 +33,7 @@ from sharding.pipeline._schedule import (
 from sharding.pipeline._stages import StageLoad, StageReport, stack_flop_overhead, stage_report
 
 __all__ = [
+    "EXPLICIT",
     "SCHEDULES",
     "Action",
     "Kind",
@@ -44,6 +47,7 @@ __all__ = [
     "ScheduleSizeError",
     "StageLoad",
     "StageReport",
+    "TickCosts",
     "TooFewMicrobatchesError",
     "UnknownScheduleError",
     "check_layers",

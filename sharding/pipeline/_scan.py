@@ -29,7 +29,7 @@ from jax import sharding as jshard
 
 from sharding._stack import LayerFn, StackCall, apply_layers, join_state, split_state, taken_over
 from sharding.pipeline._errors import PipelineError
-from sharding.pipeline._onefoneb import one_f_one_b, psum32, varying
+from sharding.pipeline._explicit import explicit_pipeline, psum32, varying
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
 
 P = jshard.PartitionSpec
@@ -271,8 +271,8 @@ def pipelined_loss(
     1f1b runs the part after the stack per micro-batch on the last stage and averages: exact for
     a loss that is a mean over the batch's rows (plus terms that read no stack weight).
     """
-    if schedule.name == "1f1b":
-        return _loss_1f1b(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered)
+    if schedule.explicit:
+        return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered)
     m = schedule.microbatches
 
     def run(call: StackCall) -> jax.Array:
@@ -290,7 +290,7 @@ def pipelined_loss(
     return value
 
 
-def _loss_1f1b(
+def _loss_explicit(
     loss_fn: Callable[[nnx.Module, dict], jax.Array],
     model: nnx.Module,
     batch: dict[str, jax.Array],
@@ -300,7 +300,7 @@ def _loss_1f1b(
     wrap: Callable | None,
     gathered: Any = None,
 ) -> jax.Array:
-    p, m = schedule.stages, schedule.microbatches
+    p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
     # The stack's input: the user's loss traced with the stack passing its input through. Only
     # the part before the stack is used (XLA drops the rest as dead code).
@@ -311,14 +311,9 @@ def _loss_1f1b(
     _, rest = split_state(state, stack)
     whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
     rest = _gather(rest, whole_rest)
-    layers = jax.tree.map(lambda w: w.reshape(p, w.shape[0] // p, *w.shape[1:]),
-                          _gather(call.state, whole_stack))  # fmt: skip
+    layers = _stage_view(_gather(call.state, whole_stack), p, r)
     # After the stack nothing may read a layer weight: the last stage holds only its own.
     layer_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), call.state)
-    layer_fn = extras.layer_fn(call)
-
-    def stage_fn(w: Any, x: jax.Array, arrays: list) -> jax.Array:
-        return apply_layers(layer_fn, w, x, arrays, wrap)
 
     def head_loss(rest: Any, y: jax.Array, batch_i: dict, stack_state: Any = layer_shapes):
         model_i = nnx.merge(graphdef, join_state(stack_state, rest, stack))
@@ -334,15 +329,14 @@ def _loss_1f1b(
     if reads_inputs(lambda st, r, y, b: head_loss(r, y, b, st), (call.state, rest, y_i, b_i)):
         raise PipelineConfigError(
             f"the loss reads weights of the stack {stack!r} outside the stack's call (a penalty "
-            f"on the layer weights, say); 1f1b runs what follows the stack per micro-batch on the "
-            f"last stage, which holds only its own layers. Put the penalty in the optimizer "
-            f"(optax.add_decayed_weights) or use schedule 'gpipe' or 'circular', which run the "
-            f"loss exactly as written"
+            f"on the layer weights, say); {schedule.name} runs what follows the stack per "
+            f"micro-batch on the last stage, which holds only its own layers. Put the penalty in "
+            f"the optimizer (optax.add_decayed_weights) or use schedule 'gpipe' or 'circular', "
+            f"which run the loss exactly as written"
         )
     extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
-    return one_f_one_b(
-        stage_fn, head_loss, layers, rest, h_m, extras_m, batch_m, mesh=mesh, schedule=schedule
-    )
+    return explicit_pipeline(extras.layer_fn(call), wrap, head_loss, layers, rest, h_m,
+                             extras_m, batch_m, mesh=mesh, schedule=schedule)  # fmt: skip
 
 
 def _gather(state: Any, shardings: Any) -> Any:

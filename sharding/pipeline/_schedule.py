@@ -2,45 +2,49 @@
 
 The pipeline is one SPMD program: a ``lax.scan`` over ticks in which all ``p`` stages run in
 lock-step, then a ``ppermute`` moves activations from stage ``s`` to ``s + 1`` (cotangents from
-``s`` to ``s - 1``). So an output made at tick ``t`` is usable by the neighbour at tick ``t + 1``.
-``table[t][s]`` is the `Action` stage ``s`` runs at tick ``t``; ``F(i, s, j)`` below is the tick of
-the forward of micro-batch ``i`` on stage ``s`` in repeat ``j``, ``B`` that of its backward.
+``s`` to ``s - 1``). So an output made at tick ``t`` is usable by the neighbour at tick ``t + 1``,
+and a tick lasts as long as its slowest stage. ``table[t][s]`` is the cell of stage ``s`` at tick
+``t``: the `Action` s it runs, in order (empty: idle). ``F(i, s)`` is the tick of the forward of
+micro-batch ``i`` on stage ``s``, ``B`` that of its backward (`sharding.pipeline._tables`):
 
-    schedule  F(i, s, j)                          B(i, s)                    ticks
-    gpipe     i + s                               autodiff, reversed scan    m + p - 1
-    circular  j*m + i + s  (needs m >= p)         autodiff, reversed scan    r*m + p - 1
-    1f1b      i + s if i < p - s, else 2*i + s    2*i + 2*p - 1 - s          2*(m + p - 1)
+    schedule     F(i, s)                    B(i, s)                      ticks
+    gpipe        i + s                      autodiff, reversed scan      m + p - 1
+    circular     j*m + i + s  (m >= p)      autodiff, reversed scan      r*m + p - 1
+    1f1b         i + s                      i + 2p - 2 - s               m + 2p - 2
+    interleaved  see _tables (m % p == 0)   fused with F, v = repeats    v*m + v*p + p - 2
+    zb-h1        list-scheduled F, B (input gradient), W (weight gradient), one per tick
 
 gpipe and circular tables hold the forward scan only: their backward is ``jax.grad`` through it,
-a scan of the same length in reverse, where backward tick ``k`` undoes forward tick ``T - 1 - k``
-(`Schedule.backward_table`, drawn by `render`). Circular is Praxis/MaxText's: stage ``s`` at tick
-``t`` takes item ``t - s`` of its repeat-major stream ``j*m + i``. Micro-batch ``i`` leaves the
-last stage in repeat ``j`` at tick ``j*m + i + p - 1`` and stage 0 needs it for repeat ``j + 1``
-at ``(j + 1)*m + i``: in time only when ``m >= p``, after waiting ``m - p`` ticks.
+a scan of the same length in reverse (`Schedule.backward_table`, drawn by `render`). The explicit
+schedules (`EXPLICIT`) hold every backward action, so one scan runs the whole step and a stage
+keeps a micro-batch's residuals only from its forward to its (last) backward action: 1f1b holds
+``2(p - s) - 1`` on stage ``s`` against GPipe's ``m``, zb-h1 at most ``p``.
 
-1f1b holds forward and backward, one action per stage per tick. Stage ``s`` warms up with
-``p - s`` forwards at ticks ``s .. p - 1``; the first cotangent starts at the last stage the tick
-after its forward (the loss is computed there) and reaches stage ``s`` at ``2*p - 1 - s``. Then
-forwards fall on ticks of parity ``s``, backwards on parity ``s + 1``: the stage alternates and
-holds ``p - s`` micro-batches (GPipe: ``m``). It is busy ``2*m`` of ``2*(m + p - 1)`` ticks,
-GPipe's bubble, a tick costing the slower of F and B. (One fused F+B per tick instead takes
-``m + 2*p - 2`` ticks of ``t_f + t_b`` and holds ``2*p - 1``.)
+What a schedule costs on real devices is `Schedule.tick_costs`: the sum over ticks of the
+slowest stage's work. With a forward, an input gradient and a weight gradient of equal cost,
+gpipe and 1f1b take ``3(m + p - 1)`` units, interleaved ``3(m + (p - 1)/v)``, zb-h1
+``3m + p - 1``: its bubble is a third of 1f1b's.
 """
 
 from __future__ import annotations
 
 import difflib
-import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from functools import cached_property
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 
+from sharding.pipeline import _tables
 from sharding.pipeline._errors import PipelineError
+from sharding.pipeline._kinds import Action, Cell, Kind
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
+EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # the table holds the backward too
+CHUNKED = ("circular", "interleaved")  # repeats >= 2 chunks of layers per stage
 
 
 class ScheduleError(PipelineError):
@@ -56,46 +60,46 @@ class UnknownScheduleError(ScheduleError):
 
 
 class RepeatsError(ScheduleError):
-    """Circular with fewer than 2 repeats, or repeats given to a schedule without them."""
+    """Circular or interleaved with fewer than 2 repeats, or repeats given to another schedule."""
 
 
 class TooFewMicrobatchesError(ScheduleError):
-    """1f1b or circular with fewer micro-batches than stages."""
+    """A schedule other than gpipe with fewer micro-batches than stages, or interleaved with
+    micro-batches that are not a multiple of the stages."""
 
 
 class LayerCountError(ScheduleError):
     """The layer count does not split evenly over stages x repeats."""
 
 
-class Kind(enum.StrEnum):
-    """What a stage does in one tick; the value is its one-letter diagram label."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    IDLE = "."
+Grid = tuple[tuple[Action, ...], ...]  # [tick][stage], one action each
+Table_ = tuple[tuple[Cell, ...], ...]  # [tick][stage], the cell's actions
 
 
-class Action(NamedTuple):
-    """One stage's work in one tick.
+@dataclass(frozen=True)
+class TickCosts:
+    """A schedule priced in lock-step (see `Schedule.tick_costs`).
 
-    Example:
-        >>> Action(Kind.FORWARD, 3).label(), Action(Kind.BACKWARD, 3, 1).label(repeats=True)
-        ('F3', 'B3r1')
+    Attributes:
+        critical: sum over ticks of the slowest stage's work (the step's pipeline time).
+        busiest: the most work any one stage does (its compute, bubble excluded).
+        ticks: the slowest stage's work in each tick (the backward scan's after the forward's
+            for gpipe and circular).
     """
 
-    kind: Kind
-    microbatch: int | None = None
-    repeat: int = 0
+    critical: float
+    busiest: float
+    ticks: tuple[float, ...]
 
-    def label(self, repeats: bool = False) -> str:
-        """``F3`` / ``B3`` / ``.``; with ``repeats``, ``F3r1`` is repeat 1."""
-        if self.kind is Kind.IDLE:
-            return "."
-        return f"{self.kind}{self.microbatch}" + (f"r{self.repeat}" if repeats else "")
+    @property
+    def bubble(self) -> float:
+        """Time the busiest stage waits: ``critical - busiest``."""
+        return self.critical - self.busiest
 
-
-IDLE = Action(Kind.IDLE)
-Grid = tuple[tuple[Action, ...], ...]  # [tick][stage]
+    @property
+    def bubble_fraction(self) -> float:
+        """``bubble / critical``."""
+        return self.bubble / self.critical if self.critical else 0.0
 
 
 @dataclass(frozen=True)
@@ -103,78 +107,125 @@ class Schedule:
     """A pipeline schedule as tick-by-stage tables; build it with `make_schedule`.
 
     Attributes:
-        name: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
-        stages, microbatches, repeats: ``p``, ``m``, ``r`` (``r`` is 1 except for circular).
-        table: ``table[tick][stage]``, the actions of the scan the pipeline runs.
+        name: one of `SCHEDULES`.
+        stages, microbatches, repeats: ``p``, ``m``, ``r`` (chunks of layers per stage: circular
+            and interleaved; 1 for the others).
+        table: ``table[tick][stage]``, the cell of actions of the scan the pipeline runs.
         activation_in: ``[tick][stage]``, the forward whose input activation arrives from the
-            previous stage at this tick (stage 0 of circular: from the last stage, for the next
-            repeat), else IDLE. Stage 0's fresh micro-batches come from the data, not from here.
-        cotangent_in: ``[tick][stage]``, the backward whose cotangent arrives from the next stage.
-            The last stage makes its own from the loss at its forward tick. All IDLE for gpipe
-            and circular, whose cotangents move inside autodiff's reversed scan.
+            previous stage at this tick (stage 0 of a chunked schedule: from the last stage, for
+            the next chunk), else IDLE. Stage 0's first chunk reads the data.
+        cotangent_in: ``[tick][stage]``, the backward whose cotangent arrives from the next
+            stage. The last stage makes its own from the loss. All IDLE for gpipe and circular,
+            whose cotangents move inside autodiff's reversed scan.
     """
 
     name: str
     stages: int
     microbatches: int
     repeats: int
-    table: Grid
+    table: Table_
     activation_in: Grid
     cotangent_in: Grid
 
     @property
     def ticks(self) -> int:
-        """Length of the scan: gpipe m+p-1, circular r*m+p-1, 1f1b 2*(m+p-1)."""
+        """Length of the scan (see the module's table)."""
         return len(self.table)
 
     @property
-    def bubble_fraction(self) -> float:
-        """Idle stage-ticks over all stage-ticks: (p-1)/(r*m+p-1) (r = 1 but for circular)."""
-        idle = sum(a.kind is Kind.IDLE for row in self.table for a in row)
-        return idle / (self.ticks * self.stages)
+    def explicit(self) -> bool:
+        """Whether the table holds the backward (one scan for the step, no autodiff)."""
+        return self.name in EXPLICIT
 
     @property
-    def backward_table(self) -> Grid:
-        """The backward scan of gpipe/circular: tick k does B of forward tick T-1-k. 1f1b: ()."""
-        if self.name == "1f1b":
+    def splits_backward(self) -> bool:
+        """Whether backward actions compute input gradients only, ``W`` the weight gradients."""
+        return any(a.kind is Kind.WEIGHT for row in self.table for cell in row for a in cell)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step on real devices, with a forward, an input gradient and a
+        weight gradient of equal cost: gpipe (p-1)/(m+p-1), circular (p-1)/(r*m+p-1),
+        1f1b (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), zb-h1 (p-1)/(3m+p-1)."""
+        return self.tick_costs(1.0, 1.0, 1.0).bubble_fraction
+
+    @property
+    def backward_table(self) -> Table_:
+        """The backward scan of gpipe/circular: tick k undoes forward tick T-1-k. Explicit: ()."""
+        if self.explicit:
             return ()
-        return tuple(
-            tuple(a._replace(kind=Kind.BACKWARD) if a.kind is Kind.FORWARD else a for a in row)
-            for row in reversed(self.table)
-        )
+        flip = {Kind.FORWARD: Kind.BACKWARD}
+        return tuple(tuple(tuple(a._replace(kind=flip.get(a.kind, a.kind)) for a in cell)
+                           for cell in row) for row in reversed(self.table))  # fmt: skip
 
     @property
     def peak_activations(self) -> tuple[int, ...]:
-        """Per stage, the most micro-batches whose forward activations it holds at once.
+        """Per stage, the most micro-batch chunks whose forward residuals it holds at once.
 
-        gpipe ``m``, circular ``r*m`` (autodiff keeps all for its reversed scan), 1f1b ``p - s``.
+        gpipe ``m``, circular ``r*m`` (autodiff keeps all for its reversed scan), 1f1b
+        ``2(p - s) - 1`` (at most m), zb-h1 at most ``p`` (residuals live until W).
         """
-        bwd = self._ticks(Kind.BACKWARD)
-        spans = {s: [] for s in range(self.stages)}
-        for key, f in self._ticks(Kind.FORWARD).items():
-            spans[key[0]].append((f, bwd.get(key, self.ticks - 1) + 1))
+        first: dict[tuple[int, int, int], int] = {}
+        last: dict[tuple[int, int, int], int] = {}
+        for t, row in enumerate(self.table + self.backward_table):
+            for s, cell in enumerate(row):
+                for a in cell:
+                    key = (s, a.microbatch, a.repeat)
+                    first.setdefault(key, t)
+                    last[key] = t
+        spans: dict[int, list[tuple[int, int]]] = {s: [] for s in range(self.stages)}
+        for key, start in first.items():
+            spans[key[0]].append((start, last[key] + 1))
         return tuple(_max_overlap(spans[s]) for s in range(self.stages))
+
+    @cached_property
+    def slots(self) -> _tables.Slots:
+        """Buffer slots of the scan: arrivals, residuals, zb-h1's weight cotangents."""
+        return _tables.slots(self.table, self.activation_in, self.cotangent_in, self.stages,
+                             self.repeats, self.explicit)  # fmt: skip
 
     @property
     def buffer_slots(self) -> int:
-        """Slots of the activation buffer the scan body itself carries, the most over stages.
+        """Arrived activations awaiting their forward, the most over stages: circular
+        ``max(m - p, 0)`` (last-stage outputs for the next repeat), zb-h1 a few, else 0 or 1."""
+        return self.slots.activations
 
-        1f1b: stage inputs from arrival to backward, ``p`` in all, one more than
-        `peak_activations` on stages >= 1 as micro-batch ``p - s`` arrives at tick ``p`` but runs
-        at ``2*p - s``. A stage holds consecutive micro-batches, so ``microbatch % buffer_slots``
-        never collides. gpipe 0, circular ``max(m - p, 0)``: the arrivals awaiting their forward
-        (last-stage outputs for the next repeat); autodiff saves the rest.
+    def tick_costs(
+        self,
+        forward: float | Sequence[float],
+        backward: float | Sequence[float],
+        weight: float | Sequence[float] = 0.0,
+    ) -> TickCosts:
+        """Price the table in lock-step: each tick lasts as long as its slowest stage.
+
+        Args:
+            forward, backward, weight: one stage's forward, input-gradient and weight-gradient
+                time for one micro-batch through all its layers (a float, or one per stage, e.g.
+                measured from the compiled stage programs). A chunk of a circular or
+                interleaved stage costs 1/repeats of it; an unsplit backward costs
+                ``backward + weight``.
+
+        Example:
+            >>> make_schedule(4, 8, "1f1b").tick_costs(1.0, 1.0, 1.0).critical
+            33.0
+            >>> make_schedule(4, 8, "zb-h1").tick_costs(1.0, 1.0, 1.0).critical
+            27.0
         """
-        fwd, bwd = self._ticks(Kind.FORWARD), self._ticks(Kind.BACKWARD)
-        spans = {s: [] for s in range(self.stages)}
-        for key, t in self._ticks(Kind.FORWARD, self.activation_in).items():
-            spans[key[0]].append((t, bwd[key] + 1 if bwd else fwd[key]))
-        if bwd:  # stage 0 of 1f1b reads the data, then keeps its input until the backward
-            spans[0] += [(f, bwd[k] + 1) for k, f in fwd.items() if k[0] == 0]
-        return max(_max_overlap(spans[s]) for s in range(self.stages))
+        p, r = self.stages, self.repeats
+        f, b, w = (_per_stage(x, p, n) for x, n in
+                   ((forward, "forward"), (backward, "backward"), (weight, "weight")))  # fmt: skip
+        split = self.splits_backward
+        cost = {Kind.FORWARD: f, Kind.BACKWARD: b if split else [x + y for x, y in zip(b, w, strict=True)],
+                Kind.WEIGHT: w}  # fmt: skip
+        per_tick, per_stage = [], [0.0] * p
+        for row in self.table + self.backward_table:
+            work = [sum(cost[a.kind][s] for a in cell) / r for s, cell in enumerate(row)]
+            per_tick.append(max(work))
+            per_stage = [x + y for x, y in zip(per_stage, work, strict=True)]
+        return TickCosts(float(sum(per_tick)), float(max(per_stage)), tuple(per_tick))
 
     def layers_per_stage(self, n_layers: int) -> int:
-        """Layers each stage applies per repeat; raises `LayerCountError` if they do not split.
+        """Layers each stage applies per chunk; raises `LayerCountError` if they do not split.
 
         Example:
             >>> make_schedule(4, 8, "circular", repeats=2).layers_per_stage(32)
@@ -183,7 +234,7 @@ class Schedule:
         return check_layers(n_layers, self.stages, self.repeats)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for `json.dumps`; cells are labels like ``F3``, ``B3``, ``F3r1``, ``.``."""
+        """Plain data for `json.dumps`; cells are labels like ``F3``, ``F3B0``, ``F3r1``, ``.``."""
         r = self.repeats > 1
         return {
             "schedule": self.name,
@@ -210,20 +261,17 @@ class Schedule:
         for k in range(len(rows[0])):
             t = k if split is None or k < split else k - split
             table.add_column(("| " if k == split else "") + str(t), justify="right")
-        colours = {Kind.FORWARD: "bold cyan", Kind.BACKWARD: "bold magenta", Kind.IDLE: "dim"}
+        colours = {Kind.FORWARD: "bold cyan", Kind.BACKWARD: "bold magenta",
+                   Kind.WEIGHT: "bold green"}  # fmt: skip
         for s, row in enumerate(rows):
-            cells = [Text(a.label(self.repeats > 1), style=colours[a.kind]) for a in row]
+            cells = []
+            for cell in row:
+                text = Text()
+                for a in cell:
+                    text.append(a.label(self.repeats > 1), style=colours[a.kind])
+                cells.append(text if cell else Text(".", style="dim"))
             table.add_row(f"stage {s}", *cells)
         return table
-
-    def _ticks(self, kind: Kind, grid: Grid | None = None) -> dict[tuple[int, int, int], int]:
-        """{(stage, microbatch, repeat): tick} of the ``kind`` cells of ``grid`` (`table`)."""
-        return {
-            (s, a.microbatch, a.repeat): t
-            for t, row in enumerate(self.table if grid is None else grid)
-            for s, a in enumerate(row)
-            if a.kind is kind
-        }
 
 
 def make_schedule(stages: int, microbatches: int, schedule: str, repeats: int = 1) -> Schedule:
@@ -232,22 +280,22 @@ def make_schedule(stages: int, microbatches: int, schedule: str, repeats: int = 
     Args:
         stages: ``p``, the size of the ``"stage"`` mesh axis.
         microbatches: ``m``, micro-batches per step (per data-parallel replica).
-        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
-        repeats: ``r``, circular only (>= 2): times each micro-batch goes round the stages,
-            each stage holding ``r`` chunks of layers.
+        schedule: one of `SCHEDULES`.
+        repeats: ``r``, circular and interleaved only (>= 2): chunks of layers per stage, each
+            micro-batch going round the stages r times.
 
     Raises:
         ScheduleSizeError, UnknownScheduleError, RepeatsError, TooFewMicrobatchesError.
 
     Example:
         >>> s = make_schedule(2, 4, "1f1b")
-        >>> s.ticks, s.bubble_fraction, s.peak_activations
-        (10, 0.2, (2, 1))
+        >>> s.ticks, s.peak_activations
+        (6, (3, 1))
         >>> print(s)
-        1f1b: stages=2 microbatches=4 ticks=10 bubble=20.0%
-        tick     0  1  2  3  4  5  6  7  8  9
-        stage 0 F0 F1  . B0 F2 B1 F3 B2  . B3
-        stage 1  . F0 B0 F1 B1 F2 B2 F3 B3  .
+        1f1b: stages=2 microbatches=4 ticks=6 bubble=20.0%
+        tick       0    1    2    3    4    5
+        stage 0   F0   F1 F2B0 F3B1   B2   B3
+        stage 1    . F0B0 F1B1 F2B2 F3B3    .
     """
     _check_sizes(stages=stages, microbatches=microbatches, repeats=repeats)
     p, m, r = stages, microbatches, repeats
@@ -257,54 +305,54 @@ def make_schedule(stages: int, microbatches: int, schedule: str, repeats: int = 
         raise UnknownScheduleError(
             f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}{hint}"
         )
-    if schedule == "circular" and r < 2:
+    if schedule in CHUNKED and r < 2:
+        plain = "gpipe" if schedule == "circular" else "1f1b"
         raise RepeatsError(
-            f"schedule='circular' needs repeats >= 2, got repeats={r}: one repeat is GPipe, so use "
-            f"schedule='gpipe' (or repeats >= 2: bubble (p-1)/(r*m+p-1), not (p-1)/(m+p-1))"
+            f"schedule={schedule!r} needs repeats >= 2 (chunks of layers per stage), got "
+            f"repeats={r}: one chunk is {plain}, so use schedule={plain!r} (or repeats >= 2: "
+            f"the bubble shrinks about r times)"
         )
-    if schedule != "circular" and r != 1:
+    if schedule not in CHUNKED and r != 1:
         raise RepeatsError(
-            f"repeats={r} applies only to schedule='circular'; {schedule} runs each stage's "
-            f"layers once per micro-batch. Use schedule='circular' with repeats={r}, or repeats=1"
+            f"repeats={r} applies only to schedules 'circular' and 'interleaved'; {schedule} "
+            f"runs each stage's layers once per micro-batch. Use schedule='circular' or "
+            f"'interleaved' with repeats={r}, or repeats=1"
         )
-    if schedule in ("1f1b", "circular") and m < p:
+    if schedule != "gpipe" and m < p:
         why = (
-            f"stage 0 runs {p} forwards before the first cotangent comes back, so it never "
-            f"reaches the one-forward-one-backward steady state and 1F1B is GPipe with a "
-            f"{(p - 1) / (m + p - 1):.0%} bubble"
-            if schedule == "1f1b"
-            else f"micro-batch i leaves the last stage in repeat j at tick j*m+i+{p - 1}, but "
+            f"micro-batch i leaves the last stage in repeat j at tick j*m+i+{p - 1}, but "
             f"stage 0 needs it for repeat j+1 at tick (j+1)*m+i, which is later only if m >= p"
+            if schedule == "circular"
+            else f"stage 0 runs {p} forwards before the first cotangent comes back, so it never "
+            f"reaches the one-forward-one-backward steady state"
         )
         raise TooFewMicrobatchesError(
             f"schedule={schedule!r} needs microbatches >= stages, got microbatches={m} < "
             f"stages={p}: {why}. Use microbatches >= {p} (the smallest valid is {p}), or "
             f"schedule='gpipe'"
         )
-    cells: dict[tuple[int, int], Action] = {}
-    if schedule == "1f1b":  # warm-up back to back, then F on ticks of parity s, B on parity s+1
-        ticks = 2 * (m + p - 1)
-        for i in range(m):
-            for s in range(p):
-                cells[i + s if i < p - s else 2 * i + s, s] = Action(Kind.FORWARD, i)
-                cells[2 * i + 2 * p - 1 - s, s] = Action(Kind.BACKWARD, i)
-    else:  # gpipe is circular with one repeat: stage s takes stream item t - s = j*m + i
-        ticks = r * m + p - 1
-        for k in range(r * m):
-            for s in range(p):
-                cells[k + s, s] = Action(Kind.FORWARD, k % m, k // m)
-    table = tuple(tuple(cells.get((t, s), IDLE) for s in range(p)) for t in range(ticks))
-    act_in, cot_in = ([[IDLE] * p for _ in range(ticks)] for _ in range(2))
-    for t in range(1, ticks):
-        for s in range(p):
-            prev = table[t - 1][s - 1]  # s - 1 == -1: the circular wrap from the last stage
-            if prev.kind is Kind.FORWARD and s > 0:
-                act_in[t][s] = prev
-            elif prev.kind is Kind.FORWARD and schedule == "circular" and prev.repeat + 1 < r:
-                act_in[t][s] = prev._replace(repeat=prev.repeat + 1)
-            if s + 1 < p and table[t - 1][s + 1].kind is Kind.BACKWARD:
-                cot_in[t][s] = table[t - 1][s + 1]
-    return Schedule(schedule, p, m, r, table, tuple(map(tuple, act_in)), tuple(map(tuple, cot_in)))
+    if schedule == "interleaved" and m % p:
+        raise TooFewMicrobatchesError(
+            f"schedule='interleaved' takes micro-batches in groups of the stages: microbatches="
+            f"{m} is not a multiple of stages={p}. Use microbatches={m // p * p or p} or "
+            f"{(m // p + 1) * p}, or schedule='1f1b'"
+        )
+    cells = {
+        "1f1b": lambda: _tables.one_f_one_b(p, m),
+        "interleaved": lambda: _tables.interleaved(p, m, r),
+        "zb-h1": lambda: _tables.zero_bubble_h1(p, m),
+    }.get(schedule, lambda: _tables.forward_only(p, m, r))()
+    table = _tables.grid(cells, p)
+    act_in, cot_in = _tables.arrivals(table, p, r)
+    return Schedule(schedule, p, m, r, table, act_in, cot_in)
+
+
+def _per_stage(x: float | Sequence[float], p: int, name: str) -> list[float]:
+    if isinstance(x, int | float):
+        return [float(x)] * p
+    if len(x) != p:
+        raise ScheduleError(f"{name} costs: one per stage, {p} values, got {len(x)}: {list(x)}")
+    return [float(v) for v in x]
 
 
 def check_layers(n_layers: int, stages: int, repeats: int = 1) -> int:
@@ -338,7 +386,7 @@ def check_layers(n_layers: int, stages: int, repeats: int = 1) -> int:
 
 
 def render(schedule: Schedule) -> str:
-    """The pipeline diagram: one row per stage, one column per tick, cells ``F3``/``B3``/``.``.
+    """The pipeline diagram: one row per stage, one column per tick, cells ``F3``, ``F3B0``, ``.``.
 
     gpipe and circular show the forward scan, ``|``, then autodiff's reversed backward scan.
     """
@@ -358,9 +406,9 @@ def render(schedule: Schedule) -> str:
     return "\n".join([head, line("tick", ticks), *body])
 
 
-def _diagram(schedule: Schedule) -> tuple[str, list[list[Action]], int | None]:
+def _diagram(schedule: Schedule) -> tuple[str, list[list[Cell]], int | None]:
     """Title, per-stage rows over the whole step, and the column where the backward scan starts."""
-    s, split = schedule, (schedule.ticks if schedule.backward_table else None)
+    s, split = schedule, (None if schedule.explicit else schedule.ticks)
     head = f"{s.name}: stages={s.stages} microbatches={s.microbatches}"
     head += f" repeats={s.repeats}" if s.repeats > 1 else ""
     head += f" ticks={s.ticks} bubble={s.bubble_fraction:.1%}"
@@ -370,7 +418,12 @@ def _diagram(schedule: Schedule) -> tuple[str, list[list[Action]], int | None]:
 
 
 def _labels(grid: Any, repeats: bool) -> list[list[str]]:
-    return [[a.label(repeats) for a in row] for row in grid]
+    def label(cell: Any) -> str:
+        if isinstance(cell, Action):
+            return cell.label(repeats)
+        return "".join(a.label(repeats) for a in cell) or "."
+
+    return [[label(c) for c in row] for row in grid]
 
 
 def _max_overlap(spans: list[tuple[int, int]]) -> int:

@@ -1,0 +1,359 @@
+"""1f1b, interleaved and zb-h1 in one SPMD program: the whole step as one `lax.scan` over ticks.
+
+Each tick every stage looks up its cell in the schedule table (`sharding.pipeline._tables`) and
+runs up to three actions, each under a `lax.cond` so an idle stage skips it (on real devices a
+tick costs its slowest stage's actions, nothing more):
+
+- F: the forward of one micro-batch through one chunk of layers. Every layer's VJP residuals are
+  kept in a ring of slots (weights are not copied: a residual that *is* a layer weight is read
+  back from the weights), so the backward recomputes nothing unless the remat policy says so
+  (then it keeps what the policy saves). The last virtual stage runs what follows the stack (the
+  head and the user's loss) and its VJP at once, so the micro-batch's gradient starts there.
+- B: the backward from the stored residuals; with zb-h1 the input gradient only, keeping each
+  layer's output gradient for W.
+- W: zb-h1's weight gradient, which nobody waits for, filling the ticks 1f1b leaves idle.
+
+Activations move to the next stage and input gradients to the previous one with one `ppermute`
+each per tick (a ring when stages hold several chunks); weight gradients accumulate in the carry
+and the data-parallel reduction runs once, after the scan. The scan computes the loss *and* its
+gradients, so it is exposed to autodiff through `jax.custom_vjp` whose backward scales them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax import sharding as jshard
+
+from sharding._stack import LayerFn
+from sharding.pipeline._kinds import IDLE, Kind
+from sharding.pipeline._schedule import Schedule
+
+P = jshard.PartitionSpec
+
+
+def varying(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """``lax.pcast(x, axes, to="varying")`` whose transpose, the psum of x's cotangent over
+    ``axes``, runs in float32: gradients of bfloat16 weights are summed in float32 (and XLA:CPU
+    cannot promote a bfloat16 all-reduce whose reducer Shardy tagged with a sharding)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.pcast(x, axes, to="varying")
+    return lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
+
+
+def psum32(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """``lax.psum`` computed in float32 for floating-point x (see `varying`)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.psum(x, axes)
+    return lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+
+
+# Per tick and stage, what each lane reads: -1 where the lane is idle.
+_FIELDS = {
+    Kind.FORWARD: ("micro", "chunk", "act", "res", "cot"),
+    Kind.BACKWARD: ("micro", "chunk", "res", "cot", "wct"),
+    Kind.WEIGHT: ("micro", "chunk", "res", "wct"),
+}
+
+
+def tables(schedule: Schedule) -> dict[str, np.ndarray]:
+    """``[ticks, stages]`` int32 arrays: per lane (``F.micro``, ``B.res``, ...) the micro-batch,
+    chunk and buffer slots of its action, -1 when idle; ``arrive.act`` / ``arrive.cot``: the slot
+    an arriving activation / input gradient is written to, -1 when none arrives."""
+    shape, of = (schedule.ticks, schedule.stages), schedule.slots.of
+    out = {f"{k}.{f}": np.full(shape, -1, np.int32) for k, fs in _FIELDS.items() for f in fs}
+    out["arrive.act"], out["arrive.cot"] = (
+        np.full(shape, -1, np.int32),
+        np.full(shape, -1, np.int32),
+    )
+    for t, row in enumerate(schedule.table):
+        for s, cell in enumerate(row):
+            for a in cell:
+                key = (s, a.microbatch, a.repeat)
+                for f in _FIELDS[a.kind]:
+                    value = {"micro": a.microbatch, "chunk": a.repeat}.get(f)
+                    out[f"{a.kind}.{f}"][t, s] = (
+                        value if value is not None else of.get((f, *key), -1)
+                    )
+            for name, grid in (("act", schedule.activation_in), ("cot", schedule.cotangent_in)):
+                a = grid[t][s]
+                if a is not IDLE:
+                    out[f"arrive.{name}"][t, s] = of[(name, s, a.microbatch, a.repeat)]
+    return out
+
+
+class _Layers:
+    """One chunk of layers as explicit VJP pieces over their stacked weights ``[Lr, ...]``.
+
+    A layer's residuals are the leaves of its `jax.vjp` pullback (a pytree whose static part is
+    the linearized program); those that are the layer's own weights are dropped and read back
+    from the weights, the rest are stacked over layers and stored per micro-batch.
+    """
+
+    def __init__(self, layer_fn: LayerFn, wrap: Callable | None, floats: list[bool]):
+        self.layer_fn, self.wrap, self.floats = layer_fn, wrap, floats
+        self.tree: Any = None
+        self.weight_of: list[int] = []  # per pullback leaf: the weight leaf it is, or -1
+
+    def _layer(self, ex: list) -> Callable:
+        def layer(w_l: Any, h: jax.Array, fex: list) -> jax.Array:
+            it = iter(fex)
+            arrays = [next(it) if f else e for e, f in zip(ex, self.floats, strict=True)]
+            return self.layer_fn(w_l, h, arrays)
+
+        return layer if self.wrap is None else self.wrap(layer)
+
+    def forward(self, w: Any, x: jax.Array, fex: list, ex: list) -> tuple[jax.Array, list]:
+        """``(y, residuals)``: the chunk's output and its residuals, each stacked ``[Lr, ...]``."""
+        layer = self._layer(ex)
+
+        def body(h: jax.Array, w_l: Any) -> tuple[jax.Array, list]:
+            y, pullback = jax.vjp(layer, w_l, h, fex)
+            leaves, self.tree = jax.tree.flatten(pullback)
+            weights = jax.tree.leaves(w_l)
+            self.weight_of = [next((j for j, a in enumerate(weights) if a is leaf), -1)
+                              for leaf in leaves]  # fmt: skip
+            return y, [x for x, j in zip(leaves, self.weight_of, strict=True) if j < 0]
+
+        return lax.scan(body, x, w)
+
+    def _pullback(self, w_l: Any, res: list) -> Callable:
+        weights, it = jax.tree.leaves(w_l), iter(res)
+        leaves = [weights[j] if j >= 0 else next(it) for j in self.weight_of]
+        return jax.tree.unflatten(self.tree, leaves)
+
+    def backward(self, w: Any, res: list, ct: jax.Array, fex: list, *, weights: bool):
+        """``(dx, dfex, dw or per-layer output gradients)``: the whole backward, or (zb-h1's B)
+        the input gradient only, keeping each layer's output gradient for `weight_grad`."""
+
+        def body(carry: tuple, xs: tuple) -> tuple[tuple, Any]:
+            g, dfex = carry
+            w_l, r_l = xs
+            dw_l, dh, dfex_l = self._pullback(w_l, r_l)(g)
+            dfex = [a + b for a, b in zip(dfex, dfex_l, strict=True)]
+            return (dh, dfex), (dw_l if weights else g)
+
+        zeros = [jnp.zeros_like(e) for e in fex]
+        (dx, dfex), out = lax.scan(body, (ct, zeros), (w, res), reverse=True)
+        return dx, dfex, out
+
+    def weight_grad(self, w: Any, res: list, cts: jax.Array) -> Any:
+        """zb-h1's W: each layer's weight gradient from its residuals and output gradient."""
+
+        def body(_: None, xs: tuple) -> tuple[None, Any]:
+            w_l, r_l, g = xs
+            return None, self._pullback(w_l, r_l)(g)[0]
+
+        return lax.scan(body, None, (w, res, cts))[1]
+
+
+def explicit_pipeline(
+    layer_fn: LayerFn,
+    wrap: Callable | None,
+    head_loss: Callable[[Any, jax.Array, Any], jax.Array],
+    layers: Any,
+    rest: Any,
+    h_m: jax.Array,
+    extras_m: list[jax.Array],
+    batch_m: Any,
+    *,
+    mesh: jshard.Mesh,
+    schedule: Schedule,
+) -> jax.Array:
+    """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest`, `h_m` and the
+    floating-point `extras_m`.
+
+    Args:
+        layer_fn: ``(layer_state, h, extras_i) -> h``, one layer; ``wrap``: its remat policy.
+        head_loss: ``(rest, y, batch_i) -> loss of micro-batch i`` (what follows the stack).
+        layers: the stacked layers viewed as ``[p, r, L/(p r), ...]`` (stage s, chunk c holds
+            virtual stage ``c*p + s``), sharded over ``stage``.
+        rest: every other parameter (head, norms, embeddings), replicated over ``stage``.
+        h_m: the stack's input as micro-batches ``[m, b, ...]``; extras_m: its extra inputs,
+            each ``[m, b, ...]``; batch_m: the batch as ``[m, b, ...]``.
+    """
+    floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
+    fixed = [x for x, f in zip(extras_m, floats, strict=True) if not f]
+
+    def merged(fex: list) -> list:
+        it_f, it_x = iter(fex), iter(fixed)
+        return [next(it_f) if f else next(it_x) for f in floats]
+
+    def run(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> tuple[jax.Array, tuple]:
+        layer_specs = jax.tree.map(lambda _: P("stage"), layers)
+        micro = P(None, "data")
+        body = functools.partial(_body, _Layers(layer_fn, wrap, floats), head_loss, schedule,
+                                 floats)  # fmt: skip
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(layer_specs, jax.tree.map(lambda _: P(), rest), micro,
+                      [micro] * len(extras_m), jax.tree.map(lambda _: micro, batch_m)),
+            out_specs=(P(), (layer_specs, jax.tree.map(lambda _: P(), rest), micro,
+                             [micro] * len(fex))),
+            axis_names={"stage", "data"},
+        )(layers, rest, h_m, merged(fex), batch_m)  # fmt: skip
+
+    @jax.custom_vjp
+    def loss(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> jax.Array:
+        return run(layers, rest, h_m, fex)[0]
+
+    def bwd(grads: tuple, g: jax.Array) -> tuple:
+        return jax.tree.map(lambda x: (g * x).astype(x.dtype), grads)
+
+    loss.defvjp(run, bwd)
+    return loss(layers, rest, h_m, [x for x, f in zip(extras_m, floats, strict=True) if f])
+
+
+def _body(
+    chunk: _Layers,
+    head_loss: Callable,
+    schedule: Schedule,
+    floats: list[bool],
+    layers: Any,
+    rest: Any,
+    h_m: jax.Array,
+    extras_m: list,
+    batch_m: Any,
+) -> tuple[jax.Array, tuple]:
+    p, m, v = schedule.stages, schedule.microbatches, schedule.repeats
+    tab = {k: jnp.asarray(x) for k, x in tables(schedule).items()}
+    n = schedule.slots
+    split = schedule.splits_backward
+    sid = lax.axis_index("stage")
+    # Varying casts hoisted out of the tick loop: their transposes (the gradient psums over data,
+    # and over stage for `rest`) then run once per step.
+    w = jax.tree.map(lambda a: varying(a[0], "data"), layers)  # this stage's [v, Lr, ...]
+    rest = jax.tree.map(lambda a: varying(a, ("stage", "data")), rest)
+    h_m = varying(h_m, "stage")
+    extras_m = [varying(a, "stage") for a in extras_m]
+    batch_m = jax.tree.map(lambda a: varying(a, "stage"), batch_m)
+    zero_x = jnp.zeros_like(h_m[0])
+
+    def inputs(i: jax.Array) -> tuple[list, list]:
+        """Micro-batch i's extra inputs: (the differentiable ones, the others in order)."""
+        ex = [a[i] for a in extras_m]
+        return [e for e, f in zip(ex, floats, strict=True) if f], ex
+
+    def weights(c: jax.Array) -> Any:
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), w)
+
+    # The residuals' shapes, from an abstract forward of one chunk (nothing runs).
+    fex0, ex0 = inputs(0)
+    res_shapes = jax.eval_shape(lambda: chunk.forward(weights(0), zero_x, fex0, ex0)[1])
+
+    def ring(n_slots: int, like: Any) -> Any:
+        return jax.tree.map(
+            lambda a: varying(jnp.zeros((max(n_slots, 1), *a.shape), a.dtype), ("stage", "data")),
+            like,
+        )
+
+    def put(buf: Any, slot: jax.Array, value: Any) -> Any:
+        return jax.tree.map(lambda b, x: b.at[slot].set(x.astype(b.dtype)), buf, value)
+
+    def get(buf: Any, slot: jax.Array) -> Any:
+        return jax.tree.map(lambda b: b[slot], buf)
+
+    def forward(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
+        i, k = tab["F.micro"][t, sid], tab["F.chunk"][t, sid]
+        first, last = (sid == 0) & (k == 0), (sid == p - 1) & (k == v - 1)
+        x = jnp.where(first, h_m[i], c["act"][jnp.maximum(tab["F.act"][t, sid], 0)])
+        fex, ex = inputs(i)
+        y, res = chunk.forward(weights(k), x, fex, ex)
+        c = {**c, "res": put(c["res"], tab["F.res"][t, sid], res)}
+
+        def head(_: None) -> tuple:
+            batch_i = jax.tree.map(lambda a: a[i], batch_m)
+            value, vjp = jax.vjp(lambda r_, y_: head_loss(r_, y_, batch_i) / m, rest, y)
+            return (value.astype(jnp.float32), *vjp(jnp.ones_like(value)))
+
+        def no_head(_: None) -> tuple:
+            return jnp.zeros_like(c["loss"]), jax.tree.map(jnp.zeros_like, rest), zero_x
+
+        with jax.named_scope("pipeline_head"):
+            value, drest, dy = lax.cond(last, head, no_head, None)
+        c["loss"] = c["loss"] + value
+        c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
+        c["cot"] = jnp.where(last, c["cot"].at[jnp.maximum(tab["F.cot"][t, sid], 0)].set(dy),
+                             c["cot"])  # fmt: skip
+        return c, y
+
+    def backward(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
+        i, k = tab["B.micro"][t, sid], tab["B.chunk"][t, sid]
+        fex, _ = inputs(i)
+        ct = c["cot"][tab["B.cot"][t, sid]]
+        dx, dfex, out = chunk.backward(weights(k), get(c["res"], tab["B.res"][t, sid]), ct, fex,
+                                       weights=not split)  # fmt: skip
+        c = dict(c)
+        if split:
+            c["wct"] = c["wct"].at[tab["B.wct"][t, sid]].set(out)
+        else:
+            c["gw"] = jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], out)
+        first = (sid == 0) & (k == 0)
+        c["dh"] = jnp.where(first, c["dh"].at[i].set(dx), c["dh"])
+        c["dex"] = [acc.at[i].add(d) for acc, d in zip(c["dex"], dfex, strict=True)]
+        return c, dx
+
+    def weight(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
+        k = tab["W.chunk"][t, sid]
+        dw = chunk.weight_grad(weights(k), get(c["res"], tab["W.res"][t, sid]),
+                               c["wct"][tab["W.wct"][t, sid]])  # fmt: skip
+        return {**c, "gw": jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], dw)}, zero_x
+
+    def lane(kind: str, run: Callable, c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
+        # The scope names the conditional in the HLO (`sharding.costmodel` prices each lane).
+        with jax.named_scope(f"pipeline_{kind}"):
+            active = tab[f"{kind}.micro"][t, sid] >= 0
+            return lax.cond(active, run, lambda c_, _: (c_, zero_x), c, t)
+
+    ring_to = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
+    ring_from = [(b, a) for a, b in ring_to]
+
+    def tick(c: dict, t: jax.Array) -> tuple[dict, None]:
+        a_slot, c_slot = tab["arrive.act"][t, sid], tab["arrive.cot"][t, sid]
+        c = {**c, "act": jnp.where(a_slot >= 0, c["act"].at[jnp.maximum(a_slot, 0)].set(c["sent"]),
+                                   c["act"]),
+             "cot": jnp.where(c_slot >= 0, c["cot"].at[jnp.maximum(c_slot, 0)].set(c["back"]),
+                              c["cot"])}  # fmt: skip
+        c, y = lane("F", forward, c, t)
+        c, dx = lane("B", backward, c, t)
+        if split:
+            c, _ = lane("W", weight, c, t)
+        c["sent"] = lax.ppermute(y, "stage", ring_to)
+        c["back"] = lax.ppermute(dx, "stage", ring_from)
+        return c, None
+
+    carry = {
+        "sent": zero_x,
+        "back": zero_x,
+        "act": ring(n.activations, zero_x),
+        "cot": ring(n.cotangents, zero_x),
+        "res": ring(n.residuals, res_shapes),
+        "gw": jax.tree.map(jnp.zeros_like, w),
+        "grest": jax.tree.map(jnp.zeros_like, rest),
+        "dh": jnp.zeros_like(h_m),
+        "dex": [jnp.zeros_like(a) for a, f in zip(extras_m, floats, strict=True) if f],
+        "loss": lax.pcast(jnp.zeros((), jnp.float32), ("stage", "data"), to="varying"),
+    }
+    if split:
+        lr = jax.tree.leaves(w)[0].shape[1]
+        carry["wct"] = ring(n.weight_cotangents, jnp.zeros((lr, *zero_x.shape), zero_x.dtype))
+    carry, _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
+    n_data = lax.axis_size("data")
+    # The loss is the mean over data replicas of each replica's micro-batch mean.
+    value = lax.psum(carry["loss"], ("stage", "data")) / n_data
+    gw = jax.tree.map(lambda g: psum32(g, "data")[None] / n_data, carry["gw"])
+    grest = jax.tree.map(lambda g: psum32(g, ("stage", "data")) / n_data, carry["grest"])
+    dh = psum32(carry["dh"], "stage") / n_data
+    # Every stage reads the extra inputs: their gradients add up over stages.
+    dex = [psum32(g, "stage") / n_data for g in carry["dex"]]
+    return value, (gw, grest, dh, dex)
+
+
+__all__ = ["explicit_pipeline", "psum32", "tables", "varying"]
