@@ -30,7 +30,8 @@ def pipeline_for(
 ) -> PipelineSpec | None:
     """The `PipelineSpec` a strategy needs on ``stages`` stages (None for a non-pipeline one).
 
-    Defaults: gpipe, 2 x stages micro-batches, 2 repeats for circular. Asking for a schedule,
+    Defaults: gpipe, 2 x stages micro-batches, 2 repeats (chunks per stage) for circular and
+    interleaved. Asking for a schedule,
     micro-batches or repeats under a strategy that does not pipeline is an error, and so is a
     pipeline strategy on a mesh without stages: neither is silently ignored.
 
@@ -56,7 +57,7 @@ def pipeline_for(
     return PipelineSpec(
         schedule=schedule,
         microbatches=microbatches or 2 * stages,
-        repeats=repeats or (2 if schedule == "circular" else 1),
+        repeats=repeats or (2 if schedule in ("circular", "interleaved") else 1),
     )
 
 

@@ -110,16 +110,17 @@ def test_schedule_matches_single_device_with_data_parallel(schedule, p, m, r):
     assert_matches_reference(prog, batch=batch)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b", "interleaved", "zb-h1"])
 def test_schedule_with_tensor_parallel_stages(schedule):
-    r = 2 if schedule == "circular" else 1
+    r = 2 if schedule in ("circular", "interleaved") else 1
     prog = program("pp_tp", "stage=2,data=2,tensor=2", schedule, 4, r)
     assert_matches_reference(prog)
 
 
-def test_1f1b_with_tied_embeddings_and_fsdp_stages():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_explicit_schedules_with_tied_embeddings_and_fsdp_stages(schedule):
     """gpt2 ties the head to the embedding: both uses of the table must add their gradients."""
-    prog = program("pp_fsdp", "stage=2,fsdp=4", "1f1b", 4, family=gpt2)
+    prog = program("pp_fsdp", "stage=2,fsdp=4", schedule, 4, family=gpt2)
     assert_matches_reference(prog, family=gpt2)
 
 
@@ -241,12 +242,12 @@ def test_gpipe_recomputes_only_what_the_remat_policy_asks(remat, backward):
     assert back == backward * forward
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
 def test_pp_fsdp_gathers_each_stage_once_per_step(schedule):
     """pp x fsdp: a stage's weights are all-gathered over fsdp once per step, before the ticks
     (one gather per stacked array), not once per layer per tick; the numbers stay the one
     device's."""
-    prog = program("pp_fsdp", "stage=2,fsdp=4", schedule, 4)
+    prog = program("pp_fsdp", "stage=2,fsdp=4", schedule, 4, 2 if schedule == "interleaved" else 1)
     report = prog.report()
     stack_arrays = len(jax.tree.leaves(prog.abstract_state["params"]["layers"]))
     gathers = [op for op in report.collectives if op.kind == "all-gather" and op.axes == ("fsdp",)]

@@ -20,7 +20,7 @@ BATCH = 16
 
 
 def program(work, strategy, mesh, schedule=None, *, m=4, remat="none"):
-    repeats = 2 if schedule == "circular" else None
+    repeats = 2 if schedule in ("circular", "interleaved") else None
     return build_program(work, strategy, mesh, batch=BATCH, schedule=schedule,
                          microbatches=m if schedule else None, repeats=repeats, remat=remat)  # fmt: skip
 
@@ -70,7 +70,11 @@ PIPELINES = [
     ("pp", "stage=2,data=4", "gpipe"),
     ("pp", "stage=2,data=4", "circular"),
     ("pp", "stage=2,data=4", "1f1b"),
+    ("pp", "stage=2,data=4", "interleaved"),
+    ("pp", "stage=2,data=4", "zb-h1"),
     ("pp_tp", "stage=2,data=2,tensor=2", "1f1b"),
+    ("pp_fsdp", "stage=2,fsdp=4", "zb-h1"),
+    ("pp_tp", "stage=2,data=2,tensor=2", "interleaved"),
 ]
 
 

@@ -103,7 +103,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=positive_int,
                    help="micro-batches per step (when unset: 2 x stages)")  # fmt: skip
     g.add_argument("--repeats", type=positive_int,
-                   help="circular: layer blocks per stage (when unset: 2)")  # fmt: skip
+                   help="circular, interleaved: chunks of layers per stage (when unset: 2)")  # fmt: skip
 
 
 def _whole_at_least(low: int):
