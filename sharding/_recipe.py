@@ -8,6 +8,7 @@ and, for a pipeline strategy, a `PipelineSpec` over the workload's layer stack.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import optax
@@ -17,7 +18,7 @@ from partition_rules import PIPELINE_STRATEGIES
 from sharding._mesh import MeshSpec, make_mesh
 from sharding._step import StepConfigError, TrainProgram, compile_train_step
 from sharding._workload import Workload, load_workload
-from sharding.pipeline import PipelineSpec
+from sharding.pipeline import PipelineSpec, balanced_stages
 
 
 def pipeline_for(
@@ -27,6 +28,7 @@ def pipeline_for(
     schedule: str | None = None,
     microbatches: int | None = None,
     repeats: int | None = None,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> PipelineSpec | None:
     """The `PipelineSpec` a strategy needs on ``stages`` stages (None for a non-pipeline one).
 
@@ -40,7 +42,8 @@ def pipeline_for(
         8
     """
     asked = [f"--{k}" for k, v in (("schedule", schedule), ("microbatches", microbatches),
-                                   ("repeats", repeats)) if v is not None]  # fmt: skip
+                                   ("repeats", repeats), ("stage-layers", stage_layers))
+             if v is not None]  # fmt: skip
     if strategy not in PIPELINE_STRATEGIES:
         if asked:
             raise StepConfigError(
@@ -58,6 +61,7 @@ def pipeline_for(
         schedule=schedule,
         microbatches=microbatches or 2 * stages,
         repeats=repeats or (2 if schedule in ("circular", "interleaved") else 1),
+        stage_layers=None if stage_layers is None else tuple(stage_layers),
     )
 
 
@@ -76,6 +80,7 @@ def build_program(
     schedule: str | None = None,
     microbatches: int | None = None,
     repeats: int | None = None,
+    stage_layers: tuple[int, ...] | str | None = None,
     devices: list | None = None,
 ) -> TrainProgram:
     """The train step of a `Workload` (or a shipped family module at size tiny) under a strategy.
@@ -93,6 +98,8 @@ def build_program(
         optimizer: default ``optax.adamw(1e-3)``.
         accum_steps, compute_dtype, remat, clip_norm: as in `compile_train_step`.
         schedule, microbatches, repeats: the pipeline (see `pipeline_for`).
+        stage_layers: layers per virtual stage for balanced stages, e.g. ``(3, 5)``, or
+            ``"auto"`` for `sharding.pipeline.balanced_stages` (measured on the workload).
 
     Example (with ``llama`` the model family module ``models.llama``):
         >>> work = Workload.from_family(llama, llama.config("tiny"))
@@ -102,8 +109,16 @@ def build_program(
     if not isinstance(mesh, jshard.Mesh):
         mesh = make_mesh(mesh, devices)
     stages = dict(mesh.shape).get("stage", 1)
+    auto = stage_layers == "auto"
     pipeline = pipeline_for(strategy, stages, schedule=schedule, microbatches=microbatches,
-                            repeats=repeats)  # fmt: skip
+                            repeats=repeats, stage_layers=None if auto else stage_layers)  # fmt: skip
+    if auto and pipeline is None:  # raises: stage layers asked of a strategy that does not pipe
+        pipeline_for(strategy, stages, stage_layers=())
+    if auto and pipeline is not None:
+        split = dict(mesh.shape).get("data", 1) * dict(mesh.shape).get("fsdp", 1)
+        rows = max(batch // accum_steps // pipeline.microbatches // split, 1)
+        counts = balanced_stages(work, pipeline, stages, rows, seq or work.seq)
+        pipeline = dataclasses.replace(pipeline, stage_layers=counts)
     return compile_train_step(
         work.model,
         work.loss,

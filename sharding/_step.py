@@ -75,6 +75,7 @@ class TrainProgram:
     _compiled: Any = field(default=None, repr=False)
     compile_time_s: float | None = None
     schedule: Any = None  # the pipeline's `Schedule`, None without a pipeline
+    pipeline: PipelineSpec | None = None  # how it was asked for (stage_layers included)
     check_batch: Callable[[dict], None] | None = field(default=None, repr=False)
     unused_rules: list[dict] = field(default_factory=list)
 
@@ -290,7 +291,15 @@ def compile_train_step(
         model = nnx.merge(graphdef, cast)
         if schedule is not None:
             return pipelined_loss(
-                loss_fn, model, micro, stack, schedule, mesh, remat_wrapper(remat), gathered
+                loss_fn,
+                model,
+                micro,
+                stack,
+                schedule,
+                mesh,
+                remat_wrapper(remat),
+                gathered,
+                pipeline.stage_layers,
             )
         if stack is None:
             return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)
@@ -369,6 +378,7 @@ def compile_train_step(
         _grad_fn=grad_only,
         _eval_fn=eval_fn,
         schedule=schedule,
+        pipeline=pipeline,
         check_batch=check_batch,
         unused_rules=unused_rules,
     )

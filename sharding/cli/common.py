@@ -104,6 +104,26 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per step (when unset: 2 x stages)")  # fmt: skip
     g.add_argument("--repeats", type=positive_int,
                    help="circular, interleaved: chunks of layers per stage (when unset: 2)")  # fmt: skip
+    g.add_argument("--stage-layers", type=stage_layers_arg, metavar="N,N,...|auto",
+                   help="balanced stages (1f1b, interleaved, zb-h1): layers per virtual stage in "
+                   "pipeline order, e.g. 3,5, or 'auto' to even out measured FLOPs (when unset: "
+                   "equal)")  # fmt: skip
+
+
+def stage_layers_arg(text: str) -> tuple[int, ...] | str:
+    """argparse type of --stage-layers: 'auto', or comma-separated whole numbers >= 1."""
+    if text == "auto":
+        return text
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give layers per stage as whole numbers separated by commas, e.g. 3,5, "
+            f"or 'auto'"
+        ) from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: every stage needs >= 1 layer")
+    return counts
 
 
 def _whole_at_least(low: int):

@@ -6,6 +6,7 @@ axis under that schedule; `stage_report` and `stack_flop_overhead` show how the 
 loaded and what the bubble costs in FLOPs. Every error is a `PipelineError`.
 """
 
+from sharding.pipeline._balance import StageLayersError, balance_layers, check_stage_layers
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._scan import (
     PipelineConfigError,
@@ -30,7 +31,14 @@ from sharding.pipeline._schedule import (
     make_schedule,
     render,
 )
-from sharding.pipeline._stages import StageLoad, StageReport, stack_flop_overhead, stage_report
+from sharding.pipeline._stages import (
+    StageLoad,
+    StageReport,
+    balanced_stages,
+    stack_flop_overhead,
+    stage_report,
+    workload_stage_costs,
+)
 
 __all__ = [
     "EXPLICIT",
@@ -45,16 +53,21 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleSizeError",
+    "StageLayersError",
     "StageLoad",
     "StageReport",
     "TickCosts",
     "TooFewMicrobatchesError",
     "UnknownScheduleError",
+    "balance_layers",
+    "balanced_stages",
     "check_layers",
     "check_pipeline",
+    "check_stage_layers",
     "make_schedule",
     "pipelined_loss",
     "render",
     "stack_flop_overhead",
     "stage_report",
+    "workload_stage_costs",
 ]

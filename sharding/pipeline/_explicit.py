@@ -109,11 +109,14 @@ class _Layers:
 
         return layer if self.wrap is None else self.wrap(layer)
 
-    def forward(self, w: Any, x: jax.Array, fex: list, ex: list) -> tuple[jax.Array, list]:
-        """``(y, residuals)``: the chunk's output and its residuals, each stacked ``[Lr, ...]``."""
+    def forward(
+        self, w: Any, x: jax.Array, fex: list, ex: list, valid: jax.Array | None = None
+    ) -> tuple[jax.Array, list]:
+        """``(y, residuals)``: the chunk's output and its residuals, each stacked ``[Lr, ...]``.
+        ``valid``: ``[Lr]`` bools, False for a balanced stage's spare layer slots (skipped)."""
         layer = self._layer(ex)
 
-        def body(h: jax.Array, w_l: Any) -> tuple[jax.Array, list]:
+        def run(w_l: Any, h: jax.Array) -> tuple[jax.Array, list]:
             y, pullback = jax.vjp(layer, w_l, h, fex)
             leaves, self.tree = jax.tree.flatten(pullback)
             weights = jax.tree.leaves(w_l)
@@ -121,36 +124,91 @@ class _Layers:
                               for leaf in leaves]  # fmt: skip
             return y, [x for x, j in zip(leaves, self.weight_of, strict=True) if j < 0]
 
-        return lax.scan(body, x, w)
+        if valid is None:
+            return lax.scan(lambda h, w_l: run(w_l, h), x, w)
+        shapes = jax.eval_shape(run, jax.tree.map(lambda a: a[0], w), x)[1]
+
+        def skip(w_l: Any, h: jax.Array) -> tuple[jax.Array, list]:
+            return h, [jnp.zeros(a.shape, a.dtype) for a in shapes]
+
+        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, list]:
+            w_l, ok = xs
+            return lax.cond(ok, _uniform(run), _uniform(skip), w_l, h)
+
+        return lax.scan(body, x, (w, valid))
 
     def _pullback(self, w_l: Any, res: list) -> Callable:
         weights, it = jax.tree.leaves(w_l), iter(res)
         leaves = [weights[j] if j >= 0 else next(it) for j in self.weight_of]
         return jax.tree.unflatten(self.tree, leaves)
 
-    def backward(self, w: Any, res: list, ct: jax.Array, fex: list, *, weights: bool):
+    def backward(self, w: Any, res: list, ct: jax.Array, fex: list, *, weights: bool,
+                 valid: jax.Array | None = None) -> tuple:  # fmt: skip
         """``(dx, dfex, dw or per-layer output gradients)``: the whole backward, or (zb-h1's B)
         the input gradient only, keeping each layer's output gradient for `weight_grad`."""
 
+        def run(w_l: Any, r_l: list, g: jax.Array) -> tuple:
+            return self._pullback(w_l, r_l)(g)
+
+        def skip(w_l: Any, r_l: list, g: jax.Array) -> tuple:
+            return jax.tree.map(jnp.zeros_like, w_l), g, [jnp.zeros_like(e) for e in fex]
+
         def body(carry: tuple, xs: tuple) -> tuple[tuple, Any]:
             g, dfex = carry
-            w_l, r_l = xs
-            dw_l, dh, dfex_l = self._pullback(w_l, r_l)(g)
+            w_l, r_l, ok = xs
+            if valid is None:
+                dw_l, dh, dfex_l = run(w_l, r_l, g)
+            else:
+                dw_l, dh, dfex_l = lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, g)
             dfex = [a + b for a, b in zip(dfex, dfex_l, strict=True)]
             return (dh, dfex), (dw_l if weights else g)
 
         zeros = [jnp.zeros_like(e) for e in fex]
-        (dx, dfex), out = lax.scan(body, (ct, zeros), (w, res), reverse=True)
+        ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
+        (dx, dfex), out = lax.scan(body, (ct, zeros), (w, res, ok), reverse=True)
         return dx, dfex, out
 
-    def weight_grad(self, w: Any, res: list, cts: jax.Array) -> Any:
+    def weight_grad(self, w: Any, res: list, cts: jax.Array, valid: jax.Array | None = None):
         """zb-h1's W: each layer's weight gradient from its residuals and output gradient."""
 
-        def body(_: None, xs: tuple) -> tuple[None, Any]:
-            w_l, r_l, g = xs
-            return None, self._pullback(w_l, r_l)(g)[0]
+        def run(w_l: Any, r_l: list, g: jax.Array) -> Any:
+            return self._pullback(w_l, r_l)(g)[0]
 
-        return lax.scan(body, None, (w, res, cts))[1]
+        def skip(w_l: Any, r_l: list, g: jax.Array) -> Any:
+            return jax.tree.map(jnp.zeros_like, w_l)
+
+        def body(_: None, xs: tuple) -> tuple[None, Any]:
+            w_l, r_l, g, ok = xs
+            if valid is None:
+                return None, run(w_l, r_l, g)
+            return None, lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, g)
+
+        ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
+        return lax.scan(body, None, (w, res, cts, ok))[1]
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes ``x`` varies over (``aval.vma``; jax 0.10 keeps it in
+    ``aval.manual_axis_type.varying``)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _uniform(fn: Callable) -> Callable:
+    """``fn`` with every floating output varying over both manual axes, so that a `lax.cond`
+    between a layer and its skip (whose zeros vary over nothing) has one output type."""
+
+    def run(*args: Any) -> Any:
+        def cast(x: jax.Array) -> jax.Array:
+            missing = tuple(a for a in ("stage", "data") if a not in _varying_axes(x))
+            return lax.pcast(x, missing, to="varying") if missing else x
+
+        return jax.tree.map(cast, fn(*args))
+
+    return run
 
 
 def explicit_pipeline(
@@ -165,6 +223,7 @@ def explicit_pipeline(
     *,
     mesh: jshard.Mesh,
     schedule: Schedule,
+    valid: np.ndarray | None = None,
 ) -> jax.Array:
     """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest`, `h_m` and the
     floating-point `extras_m`.
@@ -172,8 +231,10 @@ def explicit_pipeline(
     Args:
         layer_fn: ``(layer_state, h, extras_i) -> h``, one layer; ``wrap``: its remat policy.
         head_loss: ``(rest, y, batch_i) -> loss of micro-batch i`` (what follows the stack).
-        layers: the stacked layers viewed as ``[p, r, L/(p r), ...]`` (stage s, chunk c holds
+        layers: the stacked layers viewed as ``[p, r, Lr, ...]`` (stage s, chunk c holds
             virtual stage ``c*p + s``), sharded over ``stage``.
+        valid: ``[p, r, Lr]`` bools for balanced stages: False marks a spare layer slot (see
+            `sharding.pipeline._balance`); None when every stage has ``Lr`` layers.
         rest: every other parameter (head, norms, embeddings), replicated over ``stage``.
         h_m: the stack's input as micro-batches ``[m, b, ...]``; extras_m: its extra inputs,
             each ``[m, b, ...]``; batch_m: the batch as ``[m, b, ...]``.
@@ -189,7 +250,7 @@ def explicit_pipeline(
         layer_specs = jax.tree.map(lambda _: P("stage"), layers)
         micro = P(None, "data")
         body = functools.partial(_body, _Layers(layer_fn, wrap, floats), head_loss, schedule,
-                                 floats)  # fmt: skip
+                                 floats, valid)  # fmt: skip
         return jax.shard_map(
             body,
             mesh=mesh,
@@ -216,6 +277,7 @@ def _body(
     head_loss: Callable,
     schedule: Schedule,
     floats: list[bool],
+    valid_tab: np.ndarray | None,
     layers: Any,
     rest: Any,
     h_m: jax.Array,
@@ -244,9 +306,14 @@ def _body(
     def weights(c: jax.Array) -> Any:
         return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), w)
 
+    valid_s = None if valid_tab is None else jnp.asarray(valid_tab)[sid]  # [r, Lr]
+
+    def valid(c: jax.Array) -> jax.Array | None:
+        return None if valid_s is None else lax.dynamic_index_in_dim(valid_s, c, 0, False)
+
     # The residuals' shapes, from an abstract forward of one chunk (nothing runs).
     fex0, ex0 = inputs(0)
-    res_shapes = jax.eval_shape(lambda: chunk.forward(weights(0), zero_x, fex0, ex0)[1])
+    res_shapes = jax.eval_shape(lambda: chunk.forward(weights(0), zero_x, fex0, ex0, valid(0))[1])
 
     def ring(n_slots: int, like: Any) -> Any:
         return jax.tree.map(
@@ -265,7 +332,7 @@ def _body(
         first, last = (sid == 0) & (k == 0), (sid == p - 1) & (k == v - 1)
         x = jnp.where(first, h_m[i], c["act"][jnp.maximum(tab["F.act"][t, sid], 0)])
         fex, ex = inputs(i)
-        y, res = chunk.forward(weights(k), x, fex, ex)
+        y, res = chunk.forward(weights(k), x, fex, ex, valid(k))
         c = {**c, "res": put(c["res"], tab["F.res"][t, sid], res)}
 
         def head(_: None) -> tuple:
@@ -289,7 +356,7 @@ def _body(
         fex, _ = inputs(i)
         ct = c["cot"][tab["B.cot"][t, sid]]
         dx, dfex, out = chunk.backward(weights(k), get(c["res"], tab["B.res"][t, sid]), ct, fex,
-                                       weights=not split)  # fmt: skip
+                                       weights=not split, valid=valid(k))  # fmt: skip
         c = dict(c)
         if split:
             c["wct"] = c["wct"].at[tab["B.wct"][t, sid]].set(out)
@@ -303,7 +370,7 @@ def _body(
     def weight(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         k = tab["W.chunk"][t, sid]
         dw = chunk.weight_grad(weights(k), get(c["res"], tab["W.res"][t, sid]),
-                               c["wct"][tab["W.wct"][t, sid]])  # fmt: skip
+                               c["wct"][tab["W.wct"][t, sid]], valid(k))  # fmt: skip
         return {**c, "gw": jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], dw)}, zero_x
 
     def lane(kind: str, run: Callable, c: dict, t: jax.Array) -> tuple[dict, jax.Array]:

@@ -28,6 +28,7 @@ from jax import lax
 from jax import sharding as jshard
 
 from sharding._stack import LayerFn, StackCall, apply_layers, join_state, split_state, taken_over
+from sharding.pipeline._balance import check_stage_layers, layer_slots
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._explicit import explicit_pipeline, psum32, varying
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
@@ -42,7 +43,9 @@ class PipelineConfigError(PipelineError):
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """How to pipeline: the schedule, micro-batches per step and (circular) repeats.
+    """How to pipeline: the schedule, micro-batches per step, chunks per stage (``repeats``:
+    circular, interleaved) and, for balanced stages, the layers of each virtual stage
+    (``stage_layers``, e.g. ``(3, 4, 4, 5)``; `balance_layers` chooses them; None: equal).
 
     What is pipelined is the workload's layer stack (``compile_train_step(stack=...)``); the loss
     is always the user's own function, run around the pipelined stack.
@@ -51,6 +54,7 @@ class PipelineSpec:
     schedule: str = "gpipe"
     microbatches: int = 4
     repeats: int = 1
+    stage_layers: tuple[int, ...] | None = None
 
     def table(self, stages: int) -> Schedule:
         return make_schedule(stages, self.microbatches, self.schedule, self.repeats)
@@ -66,7 +70,16 @@ def check_pipeline(spec: PipelineSpec, mesh: jshard.Mesh, n_layers: int, batch: 
             + ". Build the mesh with sharding.make_mesh, e.g. 'stage=2,data=4'."
         )
     schedule = spec.table(sizes["stage"])
-    check_layers(n_layers, sizes["stage"], spec.repeats)
+    if spec.stage_layers is None:
+        check_layers(n_layers, sizes["stage"], spec.repeats)
+    else:
+        check_stage_layers(spec.stage_layers, n_layers, sizes["stage"], spec.repeats)
+        if not schedule.explicit:
+            raise PipelineConfigError(
+                f"stage_layers={list(spec.stage_layers)}: balanced stages run under the schedules "
+                f"1f1b, interleaved and zb-h1; schedule={spec.schedule!r} needs equal stages "
+                f"(stage_layers=None)"
+            )
     split = sizes.get("data", 1) * sizes.get("fsdp", 1)
     if batch % spec.microbatches or (batch // spec.microbatches) % split:
         raise PipelineConfigError(
@@ -259,6 +272,7 @@ def pipelined_loss(
     mesh: jshard.Mesh,
     wrap: Callable | None,
     gathered: Any = None,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> jax.Array:
     """``loss_fn(model, batch)``, the user's function as written, with the stack at module path
     ``stack`` pipelined over ``stage``.
@@ -272,7 +286,8 @@ def pipelined_loss(
     a loss that is a mean over the batch's rows (plus terms that read no stack weight).
     """
     if schedule.explicit:
-        return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered)
+        return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
+                              stage_layers)  # fmt: skip
     m = schedule.microbatches
 
     def run(call: StackCall) -> jax.Array:
@@ -299,6 +314,7 @@ def _loss_explicit(
     mesh: jshard.Mesh,
     wrap: Callable | None,
     gathered: Any = None,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> jax.Array:
     p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
@@ -311,7 +327,12 @@ def _loss_explicit(
     _, rest = split_state(state, stack)
     whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
     rest = _gather(rest, whole_rest)
-    layers = _stage_view(_gather(call.state, whole_stack), p, r)
+    layers, valid = _gather(call.state, whole_stack), None
+    if stage_layers is None:
+        layers = _stage_view(layers, p, r)
+    else:  # stage s, chunk c holds layer_slots' index[s, c]; spare slots are skipped
+        index, valid = layer_slots(stage_layers, p, r)
+        layers = jax.tree.map(lambda w: w[jnp.asarray(index)], layers)
     # After the stack nothing may read a layer weight: the last stage holds only its own.
     layer_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), call.state)
 
@@ -336,7 +357,7 @@ def _loss_explicit(
         )
     extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
     return explicit_pipeline(extras.layer_fn(call), wrap, head_loss, layers, rest, h_m,
-                             extras_m, batch_m, mesh=mesh, schedule=schedule)  # fmt: skip
+                             extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid)  # fmt: skip
 
 
 def _gather(state: Any, shardings: Any) -> Any:

@@ -2,8 +2,9 @@
 
 `stage_report` makes an unbalanced split visible before anything runs: the layers each stage
 owns, its parameter bytes, and its matmul FLOPs per micro-batch, with the embedding and head
-charged where the schedule runs them (1f1b: head and loss on the last stage inside the pipeline;
-gpipe/circular: outside it, split over every device).
+charged where the schedule runs them (1f1b, interleaved, zb-h1: head and loss on the last stage
+inside the pipeline; gpipe/circular: outside it, split over every device). `balanced_stages`
+measures any workload's layer and head costs and picks the layers per stage that even them out.
 
 `stack_flop_overhead` measures the price of the bubble from compiled programs: the matmul FLOPs
 of the pipelined layer stack (forward and backward, summed over all devices) over those of the
@@ -23,11 +24,12 @@ from flax import nnx
 from jax import sharding as jshard
 from rich.table import Table
 
-from sharding._stack import apply_layers, layer_class
+from sharding._stack import apply_layers, find_stack, layer_class, n_layers, taken_over
 from sharding._units import fmt_bytes, fmt_count
 from sharding.inspection import count_flops
+from sharding.pipeline._balance import balance_layers, check_stage_layers, layer_slots
 from sharding.pipeline._scan import PipelineSpec, scan_pipeline, to_microbatches
-from sharding.pipeline._schedule import check_layers
+from sharding.pipeline._schedule import EXPLICIT, check_layers
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class StageReport:
             table.add_row(
                 str(s.stage), layers, fmt_bytes(s.param_bytes), fmt_count(s.forward_flops)
             )
-        shared = "every stage" if self.schedule == "1f1b" else "outside the pipeline"
+        shared = "the last stage" if self.schedule in EXPLICIT else "outside the pipeline"
         table.add_row("shared", f"embedding, head ({shared})", fmt_bytes(self.shared_param_bytes),
                       fmt_count(self.shared_forward_flops), style="dim")  # fmt: skip
         table.caption = f"imbalance (slowest / mean stage): {self.imbalance:.3f}"
@@ -92,22 +94,10 @@ def _embedded_shape(model: nnx.Module, rows: int, seq_len: int) -> jax.ShapeDtyp
     return jax.eval_shape(lambda st, t: nnx.merge(graphdef, st).embed(t), state, tokens)
 
 
-def stage_report(
-    model: nnx.Module, spec: PipelineSpec, stages: int, microbatch_rows: int, seq_len: int
-) -> StageReport:
-    """Per-stage parameter bytes and forward FLOPs of ``model`` pipelined as ``spec``.
-
-    ``model`` may be abstract (`nnx.eval_shape`); FLOPs come from compiling one layer and the
-    head for one micro-batch on one device, so it works for sizes that do not fit here.
-
-    Example (with ``llama`` the model family module ``models.llama``):
-        >>> model = nnx.eval_shape(lambda: llama.Model(llama.config("tiny"), rngs=nnx.Rngs(0)))
-        >>> stage_report(model, PipelineSpec("1f1b", 8), 2, 4, 128).imbalance  # doctest: +SKIP
-        1.06
-    """
+def _costs(model: nnx.Module, microbatch_rows: int, seq_len: int) -> tuple[Any, int, int, int]:
+    """(the stacked layers' state, their count, one layer's and the head's forward FLOPs)."""
     gdef, layers = nnx.split(model.layers)
     n_layers = jax.tree.leaves(layers)[0].shape[0]
-    per = check_layers(n_layers, stages, spec.repeats)
     h = _embedded_shape(model, microbatch_rows, seq_len)
     one = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), layers)
     call = (layer_class(model.layers) or type(model.layers)).__call__
@@ -119,11 +109,33 @@ def stage_report(
         full = nnx.State({**dict(rest), "layers": state["layers"]})
         return nnx.merge(graphdef, full).head(x)
 
-    head_flops = _flops(head, shared, h)
+    return layers, n_layers, layer_flops, _flops(head, shared, h)
+
+
+def stage_report(
+    model: nnx.Module, spec: PipelineSpec, stages: int, microbatch_rows: int, seq_len: int
+) -> StageReport:
+    """Per-stage parameter bytes and forward FLOPs of ``model`` pipelined as ``spec``
+    (``spec.stage_layers`` for balanced stages).
+
+    ``model`` may be abstract (`nnx.eval_shape`); FLOPs come from compiling one layer and the
+    head for one micro-batch on one device, so it works for sizes that do not fit here.
+
+    Example (with ``llama`` the model family module ``models.llama``):
+        >>> model = nnx.eval_shape(lambda: llama.Model(llama.config("tiny"), rngs=nnx.Rngs(0)))
+        >>> stage_report(model, PipelineSpec("1f1b", 8), 2, 4, 128).imbalance  # doctest: +SKIP
+        1.06
+    """
+    layers, n_layers, layer_flops, head_flops = _costs(model, microbatch_rows, seq_len)
+    if spec.stage_layers is None:
+        counts = (check_layers(n_layers, stages, spec.repeats),) * (stages * spec.repeats)
+    else:
+        counts = check_stage_layers(spec.stage_layers, n_layers, stages, spec.repeats)
+    index, valid = layer_slots(counts, stages, spec.repeats)
     loads = []
     for s in range(stages):
-        owned = tuple((j * stages + s) * per + i for j in range(spec.repeats) for i in range(per))
-        on_last = spec.schedule == "1f1b" and s == stages - 1
+        owned = tuple(int(i) for i in index[s][valid[s]])
+        on_last = spec.schedule in EXPLICIT and s == stages - 1
         loads.append(
             StageLoad(
                 stage=s,
@@ -132,6 +144,7 @@ def stage_report(
                 forward_flops=layer_flops * len(owned) + (head_flops if on_last else 0),
             )
         )
+    shared = nnx.State({k: v for k, v in nnx.split(model)[1].items() if k != "layers"})
     return StageReport(
         schedule=spec.schedule,
         stages=tuple(loads),
@@ -139,6 +152,57 @@ def stage_report(
         shared_forward_flops=head_flops,
         microbatch_rows=microbatch_rows,
     )
+
+
+def workload_stage_costs(workload: Any, microbatch_rows: int, seq_len: int | None) -> dict:
+    """Matmul FLOPs of one micro-batch through any workload's pieces, compiled on one device:
+    ``layer`` (one layer of its stack), ``before`` (the loss up to the stack) and ``after`` (what
+    follows the stack: head and loss). Three abstract programs, nothing runs: the loss with the
+    stack's output alone, with the stack as the identity, and with one layer in its place.
+    """
+    model = nnx.eval_shape(lambda: workload.model(nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    batch = workload.batch_shapes(microbatch_rows, seq_len or workload.seq)
+    path = workload.stack
+
+    def loss_with(stack_out: Any, whole: bool = True) -> Any:
+        def fn(state: Any, batch: dict) -> Any:
+            m = nnx.merge(graphdef, state)
+            with taken_over(m, path, stack_out) as calls:
+                value = workload.loss(m, batch)
+            return value if whole else calls[0].h
+
+        return fn
+
+    def one_layer(call: Any) -> jax.Array:
+        first = jax.tree.map(lambda w: w[0], call.state)
+        return call.apply_layer(first, call.h, call.args, call.kwargs)
+
+    before = _flops(loss_with(lambda call: call.h, whole=False), state, batch)
+    identity = _flops(loss_with(lambda call: call.h), state, batch)
+    layered = _flops(loss_with(one_layer), state, batch)
+    return {"layer": layered - identity, "before": before, "after": identity - before}
+
+
+def balanced_stages(
+    workload: Any, spec: PipelineSpec, stages: int, microbatch_rows: int, seq_len: int | None
+) -> tuple[int, ...]:
+    """Layers per virtual stage that even out the stages' forward FLOPs for any workload
+    (`sharding.Workload`; `Workload.from_family` for a shipped model): `balance_layers` on the
+    costs `workload_stage_costs` measures, the last stage carrying what follows the stack under
+    1f1b, interleaved and zb-h1 (gpipe and circular run it outside the pipeline).
+
+    Example (with ``llama`` the model family module ``models.llama``, vocabulary 8192):
+        >>> work = Workload.from_family(llama, cfg)  # doctest: +SKIP
+        >>> balanced_stages(work, PipelineSpec("1f1b", 8), 4, 2, 32)  # doctest: +SKIP
+        (5, 5, 5, 1)
+    """
+    costs = workload_stage_costs(workload, microbatch_rows, seq_len)
+    model = nnx.eval_shape(lambda: workload.model(nnx.Rngs(0)))
+    depth = n_layers(find_stack(model, workload.stack))
+    last = costs["after"] if spec.schedule in EXPLICIT else 0
+    return balance_layers(depth, stages, layer=float(max(costs["layer"], 1)), last=float(last),
+                          repeats=spec.repeats)  # fmt: skip
 
 
 def stack_flop_overhead(
@@ -150,11 +214,12 @@ def stack_flop_overhead(
     rematerialising anything; the reference runs on one device. Returns
     ``{"pipelined", "reference", "overhead", "theory"}`` (FLOPs summed over devices).
     """
-    if spec.schedule == "1f1b":
+    if spec.schedule in EXPLICIT:
         raise ValueError(
-            "stack_flop_overhead measures gpipe and circular, whose backward is autodiff through "
-            "the tick scan; 1f1b's ticks branch between forward and backward (lax.switch), and "
-            "a static count charges every branch"
+            f"stack_flop_overhead measures gpipe and circular, whose backward is autodiff through "
+            f"the tick scan; {spec.schedule}'s ticks branch (lax.cond) between forward and "
+            f"backward, and a static count charges every branch: price it with "
+            f"sharding.costmodel.work_from_report"
         )
     schedule = spec.table(mesh.shape["stage"])
     gdef, layers = nnx.split(model.layers)
@@ -187,4 +252,11 @@ def stack_flop_overhead(
     }
 
 
-__all__ = ["StageLoad", "StageReport", "stack_flop_overhead", "stage_report"]
+__all__ = [
+    "StageLoad",
+    "StageReport",
+    "balanced_stages",
+    "stack_flop_overhead",
+    "stage_report",
+    "workload_stage_costs",
+]

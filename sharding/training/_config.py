@@ -102,6 +102,7 @@ class TrainConfig:
     schedule: str | None = None
     microbatches: int | None = None
     repeats: int | None = None
+    stage_layers: tuple[int, ...] | str | None = None
     overwrite: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,6 +172,14 @@ class TrainConfig:
             if v not in known:
                 shown = ", ".join(str(k) for k in known if k is not None)
                 raise InvalidSettingError(f"{_flag(name)} {v!r}: choose one of {shown}")
+        sl = self.stage_layers
+        if sl is not None and sl != "auto" and not (
+            isinstance(sl, tuple | list) and sl and all(_whole(n) and n >= 1 for n in sl)
+        ):
+            raise InvalidSettingError(
+                f"--stage-layers {sl!r}: give the layers of each virtual stage as whole numbers "
+                f">= 1, e.g. --stage-layers 3,5, or --stage-layers auto"
+            )
         if not isinstance(self.size, str) or not self.size:
             raise InvalidSettingError(f"--size {self.size!r}: give a named size, e.g. --size tiny")
 

@@ -158,6 +158,7 @@ def build_train_program(work: Workload, config: TrainConfig, spec: MeshSpec, sta
         schedule=config.schedule,
         microbatches=config.microbatches,
         repeats=config.repeats,
+        stage_layers=config.stage_layers,
     )
 
 
