@@ -131,3 +131,22 @@ def test_build_program_balances_automatically():
     cfg = dataclasses.replace(llama.config("tiny"), n_layers=8, vocab_size=8192)
     prog = program("pp", "stage=4,data=2", "zb-h1", "auto", cfg=cfg)
     assert prog.pipeline.stage_layers == (3, 2, 2, 1)
+
+
+def test_train_takes_stage_layers(tmp_path, capsys):
+    from sharding.cli import main
+
+    metrics = tmp_path / "m.jsonl"
+    args = ["train", "--strategy", "pp", "--mesh", "stage=2,data=4", "--schedule", "zb-h1",
+            "--batch", "16", "--seq", "32", "--steps", "2", "--metrics", str(metrics)]  # fmt: skip
+    assert main([*args, "--stage-layers", "1,3"]) == 0
+    assert len(metrics.read_text().splitlines()) == 2
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--stage-layers", "1,x", "--overwrite"])
+    assert e.value.code == 2
+    assert "'1,x': give layers per stage as whole numbers separated by commas" in (
+        capsys.readouterr().err
+    )
+    code = main([*args, "--stage-layers", "1,2", "--overwrite"])
+    assert code != 0
+    assert "stage_layers=[1, 2] adds up to 3 layers" in capsys.readouterr().err
