@@ -1,46 +1,82 @@
-"""What each pipeline schedule costs: bubble, FLOP overhead, memory, traffic, compile and step time.
+"""What each pipeline schedule costs on a target: its lock-step critical path against the theory.
 
-A grid over stages p, micro-batches m and schedule (gpipe, 1f1b, circular with r=2 where the
-layers divide into p*r blocks), on llama tiny with 8 layers and a mesh of the first p devices
-(``stage=p``, or ``stage=p,data=d`` with --data). Per point:
+Per schedule (gpipe, circular r=2, 1f1b, interleaved v=2, zb-h1), stages p and micro-batches m,
+on llama (default tiny with 8 layers): the schedule's table priced in lock-step by
+`Schedule.tick_costs` (each tick lasts as long as its slowest stage), from per-stage costs taken
+from compiled programs, not constants. On one CPU device, per p:
 
-- bubble: the schedule's idle stage-ticks (`Schedule.bubble_fraction`), theory;
-- FLOP overhead: matmul FLOPs of the pipelined layer stack over the unpipelined one, measured
-  from compiled programs (`sharding.pipeline.stack_flop_overhead`; n/a for 1f1b, whose ticks
-  branch between forward and backward so a static count charges every branch);
-- temp memory per device and collective-permute bytes per step, from the compiled step;
-- compile time, and the median wall time of a few steps.
+- F: one stage's forward, the stack's first L/p layers (``nnx.split`` / ``nnx.merge`` of
+  `models.llama.Model`'s stacked `Block`s) on one micro-batch;
+- B: its input-gradient VJP (``jax.vjp`` w.r.t. the stage input only), W: its weight-gradient VJP
+  (w.r.t. the stage's weights only), and the fused backward (w.r.t. both), each compiled as the
+  pullback alone, its residuals given, so no forward is counted twice;
+- the head and loss (final norm, LM head, cross-entropy) forward and VJP on one micro-batch,
+  added to the last stage: to its forward and backward under gpipe and circular (autodiff's
+  order), all in its forward under 1f1b, interleaved and zb-h1 (their last forward runs the head
+  and its VJP at once).
 
-    python -m benchmarks.pipeline_schedules                   # the full default grid
-    python -m benchmarks.pipeline_schedules --stages 4 --microbatches 16 --schedules gpipe,1f1b
+Matmul FLOPs are counted with `sharding.inspection.count_flops` and priced on ``--target`` by
+`sharding.costmodel.step_time` (the target's matmul fraction of its dense peak). A schedule
+whose backward is split (zb-h1) runs B and W; the others run the fused backward. The pipeline's
+permutes are not priced: this is the compute critical path. `Schedule.tick_costs` takes one cost
+per stage and charges a chunk of circular or interleaved 1/repeats of it, so the last stage's
+head is spread over its chunks there (it runs after the last chunk only).
+
+Outputs: a table, JSON and a PNG (bubble fraction against m, one panel per p, theory with F = B
+= W dashed, priced solid). The issue's two claims are checked at p=4, m=8 (exit 1 if one fails):
+zb-h1's priced bubble (`TickCosts.bubble`: the time the busiest stage waits) at most 1/2 of
+1f1b's, interleaved v=2's at most 0.55 of it. With F = B = W they are 1/3 and 1/2.
+
+    python -m benchmarks.pipeline_schedules                   # the default grid, h100:1x8
+    python -m benchmarks.pipeline_schedules --stages 4 --microbatches 8 --target h200:1x8
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
-from benchmarks._common import median_time, out_dir, parser, setup, write_json
+from benchmarks._common import out_dir, parser, setup, write_json
 
-SCHEDULES = ("gpipe", "1f1b", "circular")
-REPEATS = {"gpipe": 1, "1f1b": 1, "circular": 2}
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
+REPEATS = {"circular": 2, "interleaved": 2}  # chunks of layers per stage; the others 1
+# The issue's acceptance at p=4, m=8: (schedule, its priced bubble fraction / 1f1b's at most).
+CLAIMS = (("zb-h1", 0.5), ("interleaved", 0.55))
+CLAIM_POINT = (4, 8)
 
 
 class GridError(ValueError):
-    """Grid flags that name nothing runnable."""
+    """Flags that name nothing runnable, or a target the stages do not divide."""
+
+
+def label(schedule: str) -> str:
+    """A schedule's name with its chunks: ``circular r=2``, ``interleaved v=2``.
+
+    Example:
+        >>> label("circular"), label("interleaved"), label("1f1b")
+        ('circular r=2', 'interleaved v=2', '1f1b')
+    """
+    r = REPEATS.get(schedule, 1)
+    return schedule if r == 1 else f"{schedule} {'v' if schedule == 'interleaved' else 'r'}={r}"
 
 
 def grid(stages: list[int], microbatches: list[int], schedules: list[str],
          n_layers: int) -> tuple[list[tuple[int, int, str]], list[str]]:  # fmt: skip
-    """The (p, m, schedule) points to run, and why the others are left out.
+    """The (p, m, schedule) points to price, and why the others are left out.
 
-    A point needs ``n_layers % (p * r) == 0`` and, for 1f1b and circular, ``m >= p``.
+    A point is what `make_schedule` builds and ``n_layers`` splits into ``p * repeats`` equal
+    chunks; a refusal is listed with the first sentence of the library's reason.
 
     Example:
-        >>> points, skipped = grid([2, 4], [4], ["gpipe", "circular"], 4)
-        >>> points, skipped
-        ([(2, 4, 'gpipe'), (2, 4, 'circular'), (4, 4, 'gpipe')], ['p=4 m=4 circular: 4 layers do not split into 4 stages x 2 repeats'])
+        >>> points, skipped = grid([2, 4], [2], ["1f1b", "interleaved"], 8)
+        >>> points
+        [(2, 2, '1f1b'), (2, 2, 'interleaved')]
+        >>> skipped[0]
+        "p=4 m=2 1f1b: schedule='1f1b' needs microbatches >= stages, got microbatches=2 < stages=4"
     """
+    from sharding.pipeline import ScheduleError, check_layers, make_schedule
+
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise GridError(f"unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}")
@@ -48,12 +84,12 @@ def grid(stages: list[int], microbatches: list[int], schedules: list[str],
     for p in stages:
         for m in microbatches:
             for s in schedules:
-                r = REPEATS[s]
-                if n_layers % (p * r):
-                    skipped.append(f"p={p} m={m} {s}: {n_layers} layers do not split into "
-                                   f"{p} stages x {r} repeats")  # fmt: skip
-                elif s != "gpipe" and m < p:
-                    skipped.append(f"p={p} m={m} {s}: needs micro-batches >= stages")
+                r = REPEATS.get(s, 1)
+                try:
+                    make_schedule(p, m, s, r)
+                    check_layers(n_layers, p, r)
+                except ScheduleError as err:
+                    skipped.append(f"p={p} m={m} {s}: {_first_clause(str(err))}")
                 else:
                     points.append((p, m, s))
     if not points:
@@ -61,129 +97,268 @@ def grid(stages: list[int], microbatches: list[int], schedules: list[str],
     return points, skipped
 
 
-def implied_bubble(overhead: float | None) -> float | None:
-    """The bubble fraction a FLOP overhead implies: (m+p-1)/m -> (p-1)/(m+p-1).
+def _first_clause(text: str) -> str:
+    """A library message up to its explanation (``': '``) or its first sentence."""
+    return text.split(": ")[0].split(". ")[0]
 
-    Example:
-        >>> round(implied_bubble(11 / 8), 4)
-        0.2727
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Matmul FLOPs of one stage's pieces for one micro-batch, read from compiled programs.
+
+    ``forward``, ``input_grad`` (B), ``weight_grad`` (W) and ``backward`` (the fused VJP) are of
+    one stage of ``layers`` layers; ``head_forward`` and ``head_backward`` of the head and loss.
+    ``compile_s``: seconds spent tracing and compiling them.
     """
-    return None if overhead is None else 1.0 - 1.0 / overhead
+
+    stages: int
+    layers: int
+    forward: int
+    input_grad: int
+    weight_grad: int
+    backward: int
+    head_forward: int
+    head_backward: int
+    compile_s: float
+
+    def per_stage(self, schedule: Any, *, dw_only: bool = False
+                  ) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+        """(F, B, W) per stage for `Schedule.tick_costs`, the head's work on the last stage.
+
+        A split backward (zb-h1) runs B then W; a fused one costs ``backward + weight`` there,
+        so it is given as (fused backward, 0). Explicit schedules run the head's forward and VJP
+        inside the last stage's forward; gpipe and circular run its VJP in the backward.
+        ``dw_only``: a what-if for split schedules, W as the weight-gradient matmuls alone
+        (fused backward - B), as if W were given every matmul's output gradient by B.
+        """
+        p = self.stages
+        if schedule.splits_backward:
+            w_cost = self.backward - self.input_grad if dw_only else self.weight_grad
+            f, b, w = [self.forward] * p, [self.input_grad] * p, [w_cost] * p
+        else:
+            f, b, w = [self.forward] * p, [self.backward] * p, [0] * p
+        if schedule.explicit:
+            f[-1] += self.head_forward + self.head_backward
+        else:
+            f[-1] += self.head_forward
+            b[-1] += self.head_backward
+        return [float(x) for x in f], [float(x) for x in b], [float(x) for x in w]
 
 
-def measure(p: int, m: int, schedule: str, args: Any) -> dict[str, Any]:
-    """Compile, inspect and time one grid point."""
+def stage_costs(p: int, args: Any) -> Costs:
+    """Compile one stage's F, B, W and fused backward (and the head's forward and VJP) on one
+    CPU device and count their matmul FLOPs; a micro-batch is ``args.rows x args.seq`` tokens."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
-    import models
-    from sharding import MeshSpec, Workload
-    from sharding.comparison import Settings, build
-    from sharding.costmodel import Layout
-    from sharding.pipeline import stack_flop_overhead
+    from models import llama
+    from sharding.inspection import count_flops
+    from sharding.pipeline import check_layers
 
-    fam = models.get_family("llama")
-    cfg = fam.config("tiny", n_layers=args.layers)
-    n = p * args.data
-    batch = args.batch or m * args.data
-    cand = Layout("pp", str(MeshSpec(stage=p, data=args.data)), schedule, m, REPEATS[schedule])
-    program = build(
-        cand,
-        Workload.from_family(fam, cfg),
-        Settings(batch, args.seq),
-        devices=jax.devices()[:n],
-    )
-    spec, mesh = cand.pipeline(), program.mesh
-    report = program.report()  # compiles; program.compile_time_s is tracing + XLA
-    overhead = None
-    if schedule != "1f1b" and not args.no_overhead:
-        model = nnx.eval_shape(lambda: fam.Model(cfg, rngs=nnx.Rngs(0)))
-        overhead = stack_flop_overhead(model, spec, mesh, batch, args.seq)
-    state = {"s": program.init(0)}
-    data = program.shard_batch(fam.make_batch(cfg, batch, args.seq))
-    losses = []
+    started = time.perf_counter()
+    cfg = dataclasses.replace(llama.config(args.size), n_layers=args.layers)
+    n = check_layers(cfg.n_layers, p)
+    dtype = jnp.dtype(args.dtype)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
 
-    def one() -> None:
-        state["s"], metrics = program.step(state["s"], data)
-        losses.append(float(metrics["loss"]))
+    def on_cpu(tree: Any) -> Any:
+        def one(a: Any) -> Any:
+            floating = jnp.issubdtype(a.dtype, jnp.floating)
+            return jax.ShapeDtypeStruct(a.shape, dtype if floating else a.dtype, sharding=cpu)
 
-    for _ in range(args.warmup):
-        one()
-    step_s, times = median_time(one, args.steps)
-    sched = program.schedule
+        return jax.tree.map(one, tree)
+
+    def flops(fn: Any, *shapes: Any) -> int:
+        return count_flops(jax.jit(fn).lower(*shapes).compile().as_text()).total
+
+    def pullback_flops(make: Any, *shapes: Any) -> int:
+        """FLOPs of a pullback alone: its residuals are arguments, so its forward is not run."""
+        pullback = on_cpu(jax.eval_shape(make, *shapes))
+        return flops(lambda pb, g: pb(g), pullback, shapes[-1])
+
+    model = nnx.eval_shape(lambda: llama.Model(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model.layers)
+    # One stage: the stack's first L/p layers (a Stacked[Block]: its call scans its layers).
+    w = on_cpu(jax.eval_shape(lambda s: jax.tree.map(lambda a: a[:n], s), state))
+    h = on_cpu(jax.ShapeDtypeStruct((args.rows, args.seq, cfg.d_model), dtype))
+
+    def stage(w: Any, x: Any) -> Any:
+        return nnx.merge(graphdef, w)(x)
+
+    forward = flops(stage, w, h)
+    input_grad = pullback_flops(lambda w, x: jax.vjp(lambda x_: stage(w, x_), x)[1], w, h)
+    weight_grad = pullback_flops(lambda w, x: jax.vjp(lambda w_: stage(w_, x), w)[1], w, h)
+    backward = pullback_flops(lambda w, x: jax.vjp(stage, w, x)[1], w, h)
+
+    model_def, model_state = nnx.split(model)
+    params = on_cpu(model_state)
+    targets = on_cpu(jax.ShapeDtypeStruct((args.rows, args.seq), jnp.int32))
+
+    def head_loss(params: Any, y: Any, targets: Any) -> Any:
+        logits = nnx.merge(model_def, params).head(y)
+        return llama.loss_from_logits(logits, {"targets": targets})
+
+    head_forward = flops(head_loss, params, h, targets)
+
+    def head_vjp(params: Any, y: Any, targets: Any) -> Any:
+        return jax.vjp(lambda p_, y_: head_loss(p_, y_, targets), params, y)[1]
+
+    pullback = on_cpu(jax.eval_shape(head_vjp, params, h, targets))
+    one = on_cpu(jax.ShapeDtypeStruct((), jnp.float32))
+    head_backward = flops(lambda pb, g: pb(g), pullback, one)
+    return Costs(p, n, forward, input_grad, weight_grad, backward, head_forward, head_backward,
+                 time.perf_counter() - started)  # fmt: skip
+
+
+def price(p: int, m: int, schedule: str, costs: Costs, args: Any) -> dict[str, Any]:
+    """One grid point: the schedule's lock-step critical path in FLOPs and on the target."""
+    from sharding.costmodel import StepWork, step_time
+    from sharding.pipeline import make_schedule
+    from sharding.targets import target
+
+    tgt = target(args.target)
+    sched = make_schedule(p, m, schedule, REPEATS.get(schedule, 1))
+    tc = sched.tick_costs(*costs.per_stage(sched))
+    data = tgt.devices // p  # replicas of the pipeline, each running the same ticks
+    work = StepWork(
+        mesh={"stage": p, "data": data}, matmul_flops=tc.critical, collectives=[],
+        tokens=data * m * args.rows * args.seq, dtype=args.dtype, bubble_flops=tc.bubble,
+        bubble_fraction=tc.bubble_fraction, schedule=schedule, source="compiled stage programs",
+    )  # fmt: skip
+    st = step_time(work, tgt)
+    # What-if for zb-h1: W as the dW matmuls alone (see `Costs.per_stage`); None otherwise.
+    dw_only = sched.tick_costs(*costs.per_stage(sched, dw_only=True)) if sched.splits_backward \
+        else None  # fmt: skip
     return {
-        "stages": p, "microbatches": m, "schedule": schedule, "repeats": REPEATS[schedule],
-        "mesh": str(MeshSpec(stage=p, data=args.data)), "batch": batch, "ticks": sched.ticks,
-        "bubble": sched.bubble_fraction, "peak_activations": max(sched.peak_activations),
-        "flop_overhead": None if overhead is None else overhead["overhead"],
-        "flop_overhead_theory": None if overhead is None else overhead["theory"],
-        "temp_bytes": report.memory.temp if report.memory else None,
-        "permute_bytes": report.collective_bytes("collective-permute"),
-        "permute_count": report.count("collective-permute"),
-        "collective_bytes": report.collective_bytes(),
-        "compile_time_s": program.compile_time_s, "step_time_s": step_s, "step_times_s": times,
-        "losses": losses,
+        "stages": p, "microbatches": m, "schedule": schedule, "label": label(schedule),
+        "repeats": sched.repeats, "ticks": len(tc.ticks), "scan_ticks": sched.ticks,
+        "bubble_theory": sched.bubble_fraction, "bubble_priced": tc.bubble_fraction,
+        "critical_flops": tc.critical, "busiest_flops": tc.busiest, "bubble_flops": tc.bubble,
+        "step_s": st.step_s, "bubble_s": st.bubble_s, "compute_s": st.compute_s,
+        "tokens_per_s_per_device": st.throughput_per_device,
+        "peak_activations": max(sched.peak_activations),
+        "bubble_flops_if_w_dw_only": None if dw_only is None else dw_only.bubble,
+        "critical_flops_if_w_dw_only": None if dw_only is None else dw_only.critical,
     }  # fmt: skip
 
 
-def table(rows: list[dict[str, Any]]) -> Any:
+def check_claims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's claims at p=4, m=8: each schedule's priced bubble (`TickCosts.bubble`, the
+    time the busiest stage waits) over 1f1b's, against its limit; the ratio of the bubble
+    fractions is given beside it. ``holds`` is None where the grid lacks the point.
+
+    Example:
+        >>> rows = [{"stages": 4, "microbatches": 8, "schedule": s, "bubble_flops": b,
+        ...          "bubble_priced": b / 10} for s, b in (("1f1b", 9), ("zb-h1", 3),
+        ...                                                  ("interleaved", 5))]
+        >>> [(c["schedule"], round(c["ratio"], 3), c["holds"]) for c in check_claims(rows)]
+        [('zb-h1', 0.333, True), ('interleaved', 0.556, False)]
+    """
+    p, m = CLAIM_POINT
+    at = {r["schedule"]: r for r in rows if (r["stages"], r["microbatches"]) == (p, m)}
+    out = []
+    for schedule, limit in CLAIMS:
+        claim = {"claim": f"{label(schedule)} bubble <= {limit:g} x 1f1b's at p={p}, m={m}",
+                 "schedule": schedule, "stages": p, "microbatches": m, "limit": limit,
+                 "ratio": None, "fraction_ratio": None, "holds": None}  # fmt: skip
+        one = at.get("1f1b")
+        if schedule in at and one and one["bubble_flops"] > 0:
+            mine = at[schedule]
+            claim["ratio"] = mine["bubble_flops"] / one["bubble_flops"]
+            claim["fraction_ratio"] = mine["bubble_priced"] / one["bubble_priced"]
+            claim["holds"] = claim["ratio"] <= limit
+            if mine.get("bubble_flops_if_w_dw_only") is not None:
+                claim["ratio_if_w_dw_only"] = (
+                    mine["bubble_flops_if_w_dw_only"] / one["bubble_flops"]
+                )
+        out.append(claim)
+    return out
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.2f}"
+
+
+def costs_table(costs: list[Costs], args: Any) -> Any:
     from rich.table import Table
 
-    from sharding import fmt_bytes
+    from sharding import fmt_count
 
-    t = Table(title="pipeline schedules on llama tiny (8 layers)")
-    for col in ("p", "m", "schedule", "ticks", "bubble (theory)", "FLOP overhead",
-                "(theory)", "peak act.", "temp/device", "permute bytes/step", "compile s",
-                "step ms"):  # fmt: skip
+    t = Table(title=f"one stage's pieces per micro-batch ({args.rows} x {args.seq} tokens), "
+                    f"matmul FLOPs from the compiled programs")  # fmt: skip
+    for col in ("p", "layers", "F", "B (input)", "W (weights)", "B + W", "fused backward",
+                "head F", "head VJP", "compile s"):  # fmt: skip
+        t.add_column(col, justify="right")
+    for c in costs:
+        t.add_row(str(c.stages), str(c.layers), fmt_count(c.forward), fmt_count(c.input_grad),
+                  fmt_count(c.weight_grad), fmt_count(c.input_grad + c.weight_grad),
+                  fmt_count(c.backward), fmt_count(c.head_forward), fmt_count(c.head_backward),
+                  f"{c.compile_s:.1f}")  # fmt: skip
+    return t
+
+
+def table(rows: list[dict[str, Any]], args: Any) -> Any:
+    from rich.table import Table
+
+    from sharding import fmt_count
+
+    t = Table(title=f"pipeline schedules on llama {args.size} ({args.layers} layers), priced on "
+                    f"{args.target} ({args.dtype})")  # fmt: skip
+    for col in ("p", "m", "schedule", "ticks", "bubble (theory)", "bubble (priced)",
+                "critical FLOPs", "step us", "bubble us", "step / 1f1b"):  # fmt: skip
         t.add_column(col, justify="left" if col == "schedule" else "right")
+    ref = {(r["stages"], r["microbatches"]): r for r in rows if r["schedule"] == "1f1b"}
     for r in rows:
-        name = r["schedule"] + (f" r={r['repeats']}" if r["repeats"] > 1 else "")
-        over, theory = r["flop_overhead"], r["flop_overhead_theory"]
+        one = ref.get((r["stages"], r["microbatches"]))
         t.add_row(
-            str(r["stages"]), str(r["microbatches"]), name, str(r["ticks"]), f"{r['bubble']:.1%}",
-            "n/a" if over is None else f"{over:.3f}", "" if theory is None else f"{theory:.3f}",
-            str(r["peak_activations"]),
-            "n/a" if r["temp_bytes"] is None else fmt_bytes(r["temp_bytes"]),
-            f"{fmt_bytes(r['permute_bytes'])} ({r['permute_count']})",
-            f"{r['compile_time_s']:.1f}", f"{r['step_time_s'] * 1e3:.1f}",
+            str(r["stages"]), str(r["microbatches"]), r["label"], str(r["ticks"]),
+            f"{r['bubble_theory']:.1%}", f"{r['bubble_priced']:.1%}",
+            fmt_count(r["critical_flops"]), _us(r["step_s"]), _us(r["bubble_s"]),
+            "" if one is None else f"{r['step_s'] / one['step_s']:.3f}",
         )  # fmt: skip
     return t
 
 
 def plot(rows: list[dict[str, Any]], path: Any) -> Any:
-    """Left: bubble in theory against the bubble the measured FLOP overhead implies, by m.
-    Right: compiled temp memory per device of gpipe and 1f1b, by m."""
+    """Bubble fraction against m, one panel per p: theory (F = B = W) dashed, priced solid.
+
+    gpipe and 1f1b (circular and interleaved) price alike in lock-step, so gpipe and circular
+    are drawn wide and pale under them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    keys = dict.fromkeys((r["stages"], r["schedule"]) for r in rows)
-    for p, s in keys:
-        mine = sorted((r for r in rows if (r["stages"], r["schedule"]) == (p, s)),
-                      key=lambda r: r["microbatches"])  # fmt: skip
-        ms = [r["microbatches"] for r in mine]
-        (line,) = left.plot(ms, [r["bubble"] for r in mine], "o-", label=f"p={p} {s} theory")
-        measured = [(r["microbatches"], implied_bubble(r["flop_overhead"])) for r in mine
-                    if r["flop_overhead"] is not None]  # fmt: skip
-        if measured:
-            left.plot(*zip(*measured, strict=True), "x--", color=line.get_color(), markersize=9,
-                      label=f"p={p} {s} from FLOPs")  # fmt: skip
-        if s in ("gpipe", "1f1b") and all(r["temp_bytes"] is not None for r in mine):
-            right.plot(ms, [r["temp_bytes"] / 2**20 for r in mine], "o-" if s == "gpipe" else "s--",
-                       label=f"p={p} {s}")  # fmt: skip
-    left.set_title("bubble: schedule theory vs implied by measured FLOP overhead", fontsize=9)
-    left.set_ylabel("bubble fraction")
-    right.set_title("compiled temp memory per device", fontsize=9)
-    right.set_ylabel("MiB")
-    for ax in (left, right):
+    stages = sorted({r["stages"] for r in rows})
+    fig, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 4.2), squeeze=False,
+                             sharey=True)  # fmt: skip
+    colours = dict(zip(SCHEDULES, plt.rcParams["axes.prop_cycle"].by_key()["color"],
+                       strict=False))  # fmt: skip
+    for ax, p in zip(axes[0], stages, strict=True):
+        for s in SCHEDULES:
+            mine = sorted((r for r in rows if (r["stages"], r["schedule"]) == (p, s)),
+                          key=lambda r: r["microbatches"])  # fmt: skip
+            if not mine:
+                continue
+            ms = [r["microbatches"] for r in mine]
+            under = s in ("gpipe", "circular")  # drawn wide and pale: others price alike
+            style = {"color": colours[s], "lw": 5 if under else 1.5, "ms": 9 if under else 5,
+                     "alpha": 0.35 if under else 0.9}  # fmt: skip
+            ax.plot(ms, [r["bubble_priced"] for r in mine], "o-", label=f"{label(s)} priced",
+                    **style)  # fmt: skip
+            ax.plot(ms, [r["bubble_theory"] for r in mine], "x--", label=f"{label(s)} theory",
+                    **style)  # fmt: skip
+        ms = sorted({r["microbatches"] for r in rows if r["stages"] == p})
         ax.set_xscale("log", base=2)
-        ms = sorted({r["microbatches"] for r in rows})
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.set_xlabel("micro-batches m")
+        ax.set_title(f"p = {p} stages", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("bubble fraction of the critical path")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle("lock-step bubble: theory (F = B = W, dashed) vs priced from compiled stages "
+                 "(solid)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -197,53 +372,67 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = parser("pipeline_schedules", __doc__.split("\n\n")[0])
     p.add_argument("--stages", default="2,4", help="p values (default: %(default)s)")
-    p.add_argument("--microbatches", default="4,8,16", help="m values (default: %(default)s)")
+    p.add_argument("--microbatches", default="4,8,16,32", help="m values (default: %(default)s)")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="(default: %(default)s)")
-    p.add_argument("--layers", type=int, default=8, help="llama tiny n_layers (default: 8)")
-    p.add_argument("--data", type=int, default=1, help="data-parallel size beside stage")
-    p.add_argument("--batch", type=int, help="global batch (default: m x data, 1 row/micro)")
+    p.add_argument("--size", default="tiny", help="llama size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=8, help="n_layers (default: %(default)s)")
+    p.add_argument("--rows", type=int, default=1, help="rows per micro-batch (default: 1)")
     p.add_argument("--seq", type=int, default=64, help="sequence length (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per point (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--no-overhead", action="store_true",
-                   help="skip the FLOP-overhead compiles (2 more per gpipe/circular point)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="compute dtype, compiled and priced (default: %(default)s)")  # fmt: skip
+    p.add_argument("--target", default="h100:1x8", help="target to price on (default: "
+                   "%(default)s; see sharding.targets)")  # fmt: skip
     args = p.parse_args(argv)
     points, skipped = grid(_ints(args.stages), _ints(args.microbatches),
                            [s.strip() for s in args.schedules.split(",")], args.layers)  # fmt: skip
-    need = max(pt[0] for pt in points) * args.data
-    if need > args.devices:
-        raise GridError(f"p={need // args.data} x data={args.data} needs {need} devices; "
-                        f"--devices is {args.devices}")  # fmt: skip
+    from sharding.targets import target
+
+    tgt = target(args.target)
+    odd = sorted({pt[0] for pt in points if tgt.devices % pt[0]})
+    if odd:
+        raise GridError(f"target {tgt.name} has {tgt.devices} devices, which p={odd} do not "
+                        f"divide; pick a target or stages that do")  # fmt: skip
     setup(args.devices)
 
     from rich.console import Console
 
     console = Console(width=170)
-    rows = []
     started = time.perf_counter()
+    costs: dict[int, Costs] = {}
+    rows = []
     with console.status("") as status:
-        for i, (st, m, s) in enumerate(points):
-            status.update(f"[{i + 1}/{len(points)}] p={st} m={m} {s}")
-            rows.append(measure(st, m, s, args))
+        for st in sorted({pt[0] for pt in points}):
+            status.update(f"compiling one stage of p={st}: F, B, W, fused backward, head")
+            costs[st] = stage_costs(st, args)
+        for st, m, s in points:
+            rows.append(price(st, m, s, costs[st], args))
     elapsed = time.perf_counter() - started
-    console.print(table(rows))
+    console.print(costs_table(list(costs.values()), args))
+    console.print(table(rows, args))
     for line in skipped:
         console.print(f"[yellow]skipped[/] {line}")
-    pairs = {(r["stages"], r["microbatches"], r["schedule"]): r for r in rows}
-    for (st, m, s), r in pairs.items():
-        g = pairs.get((st, m, "gpipe"))
-        if s == "1f1b" and g and g["temp_bytes"] and r["temp_bytes"] is not None:
-            console.print(f"p={st} m={m}: 1f1b temp / gpipe temp = "
-                          f"{r['temp_bytes'] / g['temp_bytes']:.2f}")  # fmt: skip
-    console.print(f"{len(rows)} points in {elapsed:.0f} s (seq {args.seq}, data={args.data})")
+    claims = check_claims(rows)
+    for c in claims:
+        if c["holds"] is None:
+            console.print(f"[yellow]not checked[/] {c['claim']}: the grid lacks the point")
+        else:
+            verdict = "[green]holds[/]" if c["holds"] else "[red]FAILS[/]"
+            what_if = ("" if "ratio_if_w_dw_only" not in c else
+                       f"; {c['ratio_if_w_dw_only']:.3f} if W ran its dW matmuls only")  # fmt: skip
+            console.print(f"{verdict} {c['claim']}: bubble ratio {c['ratio']:.3f} (bubble "
+                          f"fractions {c['fraction_ratio']:.3f}){what_if}")  # fmt: skip
+    console.print(f"{len(rows)} points in {elapsed:.1f} s ({args.rows} x {args.seq} tokens per "
+                  f"micro-batch); {tgt.describe()}")  # fmt: skip
     out = out_dir(args.out)
-    record = {"benchmark": "pipeline_schedules", "model": {"family": "llama", "size": "tiny",
-              "n_layers": args.layers}, "args": {k: v for k, v in vars(args).items()
-              if k != "out"}, "rows": rows, "skipped": skipped, "elapsed_s": elapsed}  # fmt: skip
+    record = {"benchmark": "pipeline_schedules", "model": {"family": "llama", "size": args.size,
+              "n_layers": args.layers}, "target": tgt.to_dict(),
+              "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "stage_flops": [dataclasses.asdict(c) for c in costs.values()], "rows": rows,
+              "claims": claims, "skipped": skipped, "elapsed_s": elapsed}  # fmt: skip
     write_json(out / "pipeline_schedules.json", record)
     plot(rows, out / "pipeline_schedules.png")
     console.print(f"wrote {out / 'pipeline_schedules.json'} and {out / 'pipeline_schedules.png'}")
-    return 0
+    return 1 if any(c["holds"] is False for c in claims) else 0
 
 
 if __name__ == "__main__":

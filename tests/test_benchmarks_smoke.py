@@ -128,24 +128,49 @@ def test_mfu_helpers():
 
 
 def test_pipeline_grid_and_errors():
-    points, skipped = pipeline_schedules.grid([2, 4], [2, 8], ["gpipe", "1f1b", "circular"], 8)
-    assert (4, 2, "1f1b") not in points and (4, 2, "gpipe") in points
-    assert (4, 8, "circular") in points and len(points) == 10
-    assert any("needs micro-batches >= stages" in s for s in skipped)
+    every = list(pipeline_schedules.SCHEDULES)
+    points, skipped = pipeline_schedules.grid([2, 4], [2, 8], every, 8)
+    assert len(points) == 16 and (4, 2, "gpipe") in points and (4, 2, "1f1b") not in points
+    assert {s for p, m, s in points if (p, m) == (4, 8)} == set(every)
+    assert "p=4 m=2 1f1b: schedule='1f1b' needs microbatches >= stages" in skipped[1]
+    _, skipped = pipeline_schedules.grid([4], [6], ["interleaved", "gpipe"], 8)
+    assert skipped == ["p=4 m=6 interleaved: schedule='interleaved' takes micro-batches in "
+                       "groups of the stages"]  # fmt: skip
     with pytest.raises(pipeline_schedules.GridError, match=r"unknown schedules \['zb'\]"):
         pipeline_schedules.grid([2], [4], ["zb"], 8)
-    with pytest.raises(pipeline_schedules.GridError, match=r"no runnable point.*3 layers"):
-        pipeline_schedules.grid([2], [4], ["gpipe"], 3)
-    assert pipeline_schedules.implied_bubble(None) is None
+    with pytest.raises(pipeline_schedules.GridError, match=r"no runnable point.*n_layers=4 does "
+                       r"not split into stages=4 x repeats=2"):  # fmt: skip
+        pipeline_schedules.grid([4], [8], ["circular"], 4)
+    assert pipeline_schedules.label("interleaved") == "interleaved v=2"
 
 
-def test_pipeline_measure_one_point():
-    args = argparse.Namespace(layers=4, data=1, batch=None, seq=16, steps=1, warmup=0,
-                              no_overhead=False)  # fmt: skip
-    row = pipeline_schedules.measure(2, 4, "gpipe", args)
-    assert row["ticks"] == 5 and row["bubble"] == pytest.approx(1 / 5)
-    assert row["flop_overhead"] == pytest.approx(5 / 4, rel=0.02)
-    assert row["permute_count"] > 0 and row["step_time_s"] > 0
+def test_pipeline_schedules_prices_every_schedule_and_checks_the_claims(tmp_path, capsys):
+    """p=4, m=8 only: one stage's pieces compiled once, every schedule priced on h100:1x8."""
+    import json
+
+    from sharding.pipeline import make_schedule
+
+    argv = ["--stages", "4", "--microbatches", "8", "--seq", "16", "--out", str(tmp_path)]
+    rc = pipeline_schedules.main(argv)
+    record = json.loads((tmp_path / "pipeline_schedules.json").read_text())
+    assert (tmp_path / "pipeline_schedules.png").stat().st_size > 0
+    rows = {r["schedule"]: r for r in record["rows"]}
+    assert set(rows) == set(pipeline_schedules.SCHEDULES) and not record["skipped"]
+    [stage] = record["stage_flops"]
+    assert stage["layers"] == 2 and stage["forward"] > 0 and stage["head_forward"] > 0
+    assert stage["input_grad"] < stage["backward"]  # B leaves out the weight gradients
+    for name, r in rows.items():
+        sched = make_schedule(4, 8, name, pipeline_schedules.REPEATS.get(name, 1))
+        assert r["bubble_theory"] == pytest.approx(sched.bubble_fraction)
+        assert r["ticks"] == len(sched.table + sched.backward_table)
+        assert 0 < r["bubble_flops"] < r["critical_flops"] and r["step_s"] > r["bubble_s"] > 0
+    assert rows["gpipe"]["ticks"] == 22 and rows["1f1b"]["ticks"] == 14
+    claims = {c["schedule"]: c for c in record["claims"]}
+    assert set(claims) == {"zb-h1", "interleaved"}
+    assert all(c["ratio"] > 0 and c["holds"] == (c["ratio"] <= c["limit"]) for c in claims.values())
+    assert claims["interleaved"]["holds"]  # v=2 halves 1f1b's bubble
+    assert rc == (0 if all(c["holds"] for c in claims.values()) else 1)
+    assert "zb-h1 bubble <= 0.5 x 1f1b's at p=4, m=8" in capsys.readouterr().out
 
 
 def test_mfu_says_when_no_size_fits(tmp_path):
