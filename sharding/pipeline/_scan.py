@@ -7,9 +7,10 @@ The model's own code runs around the stack: the stack's call is taken over (`sha
 so everything before and after it, the user's loss included, is exactly the user's function. Activations move to the
 next stage with `lax.ppermute` between ticks; the tick tables come from `sharding.pipeline._schedule`.
 
-gpipe and circular differentiate through the scan; the remat policy applies to a stage's work in
-one tick (full: a stage keeps only its input per tick and recomputes it once; none: nothing is
-recomputed). 1f1b runs forward and backward in the same scan: an
+gpipe and circular differentiate through the scan; the remat policy applies to each layer, as
+without a pipeline (full: a layer keeps its input and is recomputed once; none: nothing is
+recomputed), and what follows the stack runs on the stack's output split over the batch axes and
+``stage``. 1f1b runs forward and backward in the same scan: an
 explicit per-stage VJP, cotangents shifted to the previous stage, weight gradients accumulated in
 the carry; it is wrapped in a `jax.custom_vjp` so the step differentiates it like any loss.
 """
@@ -129,15 +130,22 @@ def scan_pipeline(
     mesh: jshard.Mesh,
     schedule: Schedule,
     wrap: Callable | None,
+    rows: bool = False,
 ) -> jax.Array:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
     ``extras_m``: the stack's extra inputs, each ``[m, b, ...]``; micro-batch i's reach every
-    layer that computes micro-batch i. ``wrap``: the remat policy of a stage's work in one tick
+    layer that computes micro-batch i. ``wrap``: the remat policy of each layer
     (`sharding.remat_wrapper`), None to store every layer's residuals and recompute nothing.
-    Returns the last stage's outputs ``[m, b, ...]``. Differentiated by autodiff through the scan.
+    Returns the last stage's outputs ``[m, b, ...]``, on every stage; with ``rows``, as the
+    ``[m * b, ...]`` rows of `from_microbatches`, split over ``data`` and ``stage`` (each stage
+    receives its share of the last stage's rows, a reduce-scatter instead of an all-reduce) where
+    they divide and no ``fsdp`` axis splits them further; else on every stage.
+    Differentiated by autodiff through the scan.
     """
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
+    sizes = dict(mesh.shape)
+    scatter = rows and sizes.get("fsdp", 1) == 1 and (h_m.shape[1] // sizes["data"] * m) % p == 0
     stage_layers = _stage_view(layers, p, r)
     extras_m = list(extras_m or [])
 
@@ -151,13 +159,31 @@ def scan_pipeline(
         h_m = varying(h_m, "stage")
         extras_m = [varying(e, "stage") for e in extras_m]
 
-        def stage(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
-            block = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 0, keepdims=False), w)
-            return apply_layers(layer_fn, block, h, extras, None)
+        # The remat policy applies to each layer, as without a pipeline (full: keep each layer's
+        # input, recompute the layer in backward, where its last matmul is not needed: MaxText's
+        # work); none recomputes nothing. Never a checkpoint nested in another.
+        #
+        # Weights sliced inside a tick would be per-tick residuals of autodiff: the forward scan
+        # would store a copy of the stage's weights per tick ([ticks, L/p, ...]) for backward.
+        # gpipe's one block is taken once, outside the ticks; its layers are the xs of
+        # `apply_layers`' scan, which autodiff reads in place. Circular's layer i of repeat j is
+        # sliced inside the layer's checkpoint (full, dots), which keeps w once and slices again
+        # in backward; without remat the slices (and what the layer derives from them) are still
+        # kept per tick: no policy saves all activations but no weight-derived value.
+        if r == 1:
+            whole = jax.tree.map(lambda a: a[0], w)
 
-        # The remat policy applies to the stage as a whole (full: keep only its input per tick,
-        # recompute it once in backward); without one nothing is recomputed.
-        apply = stage if wrap is None else wrap(stage)
+            def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
+                return apply_layers(layer_fn, whole, h, extras, wrap)
+        else:
+            per = jax.tree.leaves(w)[0].shape[1]
+
+            def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
+                def layer(i: jax.Array, h: jax.Array, extras: list) -> jax.Array:
+                    take = lambda a, k: lax.dynamic_index_in_dim(a, k, 0, False)  # noqa: E731
+                    return layer_fn(jax.tree.map(lambda a: take(take(a, j), i), w), h, extras)
+
+                return apply_layers(layer, jnp.arange(per), h, extras, wrap)
 
         def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array]:
             arriving, circ = carry
@@ -186,19 +212,45 @@ def scan_pipeline(
         circ0 = jnp.zeros_like(h_m) if r > 1 else jnp.zeros((0,), h_m.dtype)
         _, ys = lax.scan(tick, (zeros, circ0), jnp.arange(ticks))
         outs = ys[ticks - m :]  # last stage, final repeat: micro-batches 0..m-1 in order
-        return psum32(jnp.where(sid == p - 1, outs, jnp.zeros_like(outs)), "stage")
+        outs = jnp.where(sid == p - 1, outs, jnp.zeros_like(outs))
+        if not rows:
+            return psum32(outs, "stage")
+        outs = from_microbatches(outs)  # this data shard's rows, in their global order
+        return _psum_scatter32(outs, "stage") if scatter else psum32(outs, "stage")
 
     spec_layers = jax.tree.map(lambda _: P("stage"), stage_layers)
     # Manual over stage (the schedule) and data (so the gradient psum can be placed); fsdp and
     # tensor stay automatic inside each stage.
     batch_spec = P(None, "data")
+    out_spec = batch_spec if not rows else P(("data", "stage") if scatter else "data")
     return jax.shard_map(
         run,
         mesh=mesh,
         in_specs=(spec_layers, batch_spec, [batch_spec] * len(extras_m)),
-        out_specs=batch_spec,
+        out_specs=out_spec,
         axis_names={"stage", "data"},
     )(stage_layers, h_m, extras_m)
+
+
+def _psum_scatter32(x: jax.Array, axis: str) -> jax.Array:
+    """``lax.psum_scatter`` over the leading axis (tiled), in float32 for floating-point x."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.psum_scatter(x, axis, tiled=True)
+    return lax.psum_scatter(x.astype(jnp.float32), axis, tiled=True).astype(x.dtype)
+
+
+def _rows_over_stages(y: jax.Array, mesh: jshard.Mesh) -> jax.Array:
+    """The stack's output with its rows split over the batch axes and ``stage``.
+
+    What follows the stack (the user's head and loss) then runs on 1/p of each data shard's rows
+    on each stage, as on a mesh without stages, instead of on all of them on every stage. A batch
+    that does not divide stays as it is (split over the batch axes only).
+    """
+    axes = (*BATCH_AXES, "stage")
+    if y.ndim == 0 or y.shape[0] % int(np.prod([dict(mesh.shape).get(a, 1) for a in axes])):
+        return y
+    spec = P(axes, *([None] * (y.ndim - 1)))
+    return lax.with_sharding_constraint(y, jshard.NamedSharding(mesh, spec))
 
 
 @dataclass(frozen=True)
@@ -295,9 +347,12 @@ def pipelined_loss(
         h_m = to_microbatches(call.h, m, mesh)
         extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
         layers = _gather(call.state, None if gathered is None else split_state(gathered, stack)[0])
+        # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
+        # head runs over all devices), not on all of them on every stage: the last stage's
+        # rows are reduce-scattered over the stages rather than all-reduced to each.
         out = scan_pipeline(extras.layer_fn(call), layers, h_m, extras_m,
-                            mesh=mesh, schedule=schedule, wrap=wrap)  # fmt: skip
-        return from_microbatches(out)
+                            mesh=mesh, schedule=schedule, wrap=wrap, rows=True)  # fmt: skip
+        return _rows_over_stages(out, mesh)
 
     with taken_over(model, stack, run) as calls:
         value = loss_fn(model, batch)
