@@ -34,6 +34,7 @@ from jax import sharding as jshard
 from sharding._stack import LayerFn
 from sharding.pipeline._kinds import IDLE, Kind
 from sharding.pipeline._schedule import Schedule
+from sharding.pipeline._split import Split
 
 P = jshard.PartitionSpec
 
@@ -142,49 +143,66 @@ class _Layers:
         leaves = [weights[j] if j >= 0 else next(it) for j in self.weight_of]
         return jax.tree.unflatten(self.tree, leaves)
 
+    def _flat_pullback(self, w_l: Any, r_l: list, g: jax.Array) -> list:
+        dw_l, dh, dfex_l = self._pullback(w_l, r_l)(g)
+        return [*jax.tree.leaves(dw_l), dh, *dfex_l]
+
+    def _split(self, w_l: Any, r_l: list, g: jax.Array) -> Split:
+        return Split(self._flat_pullback, [w_l, r_l, g], len(jax.tree.leaves(w_l)), keep={0, 1})
+
     def backward(self, w: Any, res: list, ct: jax.Array, fex: list, *, weights: bool,
                  valid: jax.Array | None = None) -> tuple:  # fmt: skip
-        """``(dx, dfex, dw or per-layer output gradients)``: the whole backward, or (zb-h1's B)
-        the input gradient only, keeping each layer's output gradient for `weight_grad`."""
+        """``(dx, dfex, dw or W's inputs)``: the whole backward, or (zb-h1's B) the input
+        gradient only, handing each layer's boundary values (`Split`) to `weight_grad`."""
 
         def run(w_l: Any, r_l: list, g: jax.Array) -> tuple:
-            return self._pullback(w_l, r_l)(g)
-
-        def skip(w_l: Any, r_l: list, g: jax.Array) -> tuple:
-            return jax.tree.map(jnp.zeros_like, w_l), g, [jnp.zeros_like(e) for e in fex]
+            if weights:
+                dw_l, dh, dfex_l = self._pullback(w_l, r_l)(g)
+                return dh, dfex_l, dw_l
+            (dh, *dfex_l), boundary = self._split(w_l, r_l, g).input_grads([w_l, r_l, g])
+            return dh, dfex_l, boundary
 
         def body(carry: tuple, xs: tuple) -> tuple[tuple, Any]:
             g, dfex = carry
             w_l, r_l, ok = xs
             if valid is None:
-                dw_l, dh, dfex_l = run(w_l, r_l, g)
+                dh, dfex_l, out = run(w_l, r_l, g)
             else:
-                dw_l, dh, dfex_l = lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, g)
+                shapes = jax.eval_shape(run, w_l, r_l, g)[2]
+
+                def skip(w_l: Any, r_l: list, g: jax.Array) -> tuple:
+                    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+                    return g, [jnp.zeros_like(e) for e in fex], zeros
+
+                dh, dfex_l, out = lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, g)
             dfex = [a + b for a, b in zip(dfex, dfex_l, strict=True)]
-            return (dh, dfex), (dw_l if weights else g)
+            return (dh, dfex), out
 
         zeros = [jnp.zeros_like(e) for e in fex]
         ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
         (dx, dfex), out = lax.scan(body, (ct, zeros), (w, res, ok), reverse=True)
         return dx, dfex, out
 
-    def weight_grad(self, w: Any, res: list, cts: jax.Array, valid: jax.Array | None = None):
-        """zb-h1's W: each layer's weight gradient from its residuals and output gradient."""
+    def weight_grad(self, w: Any, res: list, boundary: list, like: jax.Array,
+                    valid: jax.Array | None = None) -> Any:  # fmt: skip
+        """zb-h1's W: each layer's weight gradient from its residuals and B's boundary values
+        (``like``: a value typed as the layer's output gradient, to trace the same split)."""
 
-        def run(w_l: Any, r_l: list, g: jax.Array) -> Any:
-            return self._pullback(w_l, r_l)(g)[0]
+        def run(w_l: Any, r_l: list, b_l: list) -> Any:
+            dw = self._split(w_l, r_l, like).weight_grads([w_l, r_l], b_l)
+            return jax.tree.unflatten(jax.tree.structure(w_l), dw)
 
-        def skip(w_l: Any, r_l: list, g: jax.Array) -> Any:
+        def skip(w_l: Any, r_l: list, b_l: list) -> Any:
             return jax.tree.map(jnp.zeros_like, w_l)
 
         def body(_: None, xs: tuple) -> tuple[None, Any]:
-            w_l, r_l, g, ok = xs
+            w_l, r_l, b_l, ok = xs
             if valid is None:
-                return None, run(w_l, r_l, g)
-            return None, lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, g)
+                return None, run(w_l, r_l, b_l)
+            return None, lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, b_l)
 
         ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
-        return lax.scan(body, None, (w, res, cts, ok))[1]
+        return lax.scan(body, None, (w, res, boundary, ok))[1]
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -359,7 +377,7 @@ def _body(
                                        weights=not split, valid=valid(k))  # fmt: skip
         c = dict(c)
         if split:
-            c["wct"] = c["wct"].at[tab["B.wct"][t, sid]].set(out)
+            c["wct"] = put(c["wct"], tab["B.wct"][t, sid], out)
         else:
             c["gw"] = jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], out)
         first = (sid == 0) & (k == 0)
@@ -370,7 +388,7 @@ def _body(
     def weight(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         k = tab["W.chunk"][t, sid]
         dw = chunk.weight_grad(weights(k), get(c["res"], tab["W.res"][t, sid]),
-                               c["wct"][tab["W.wct"][t, sid]], valid(k))  # fmt: skip
+                               get(c["wct"], tab["W.wct"][t, sid]), c["back"], valid(k))  # fmt: skip
         return {**c, "gw": jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], dw)}, zero_x
 
     def lane(kind: str, run: Callable, c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
@@ -408,9 +426,11 @@ def _body(
         "dex": [jnp.zeros_like(a) for a, f in zip(extras_m, floats, strict=True) if f],
         "loss": lax.pcast(jnp.zeros((), jnp.float32), ("stage", "data"), to="varying"),
     }
-    if split:
-        lr = jax.tree.leaves(w)[0].shape[1]
-        carry["wct"] = ring(n.weight_cotangents, jnp.zeros((lr, *zero_x.shape), zero_x.dtype))
+    if split:  # B's boundary values per layer, from an abstract backward of one chunk
+        res0 = get(carry["res"], 0)
+        wct = jax.eval_shape(lambda: chunk.backward(weights(0), res0, carry["cot"][0], fex0,
+                                                    weights=False, valid=valid(0))[2])  # fmt: skip
+        carry["wct"] = ring(n.weight_cotangents, wct)
     carry, _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
     n_data = lax.axis_size("data")
     # The loss is the mean over data replicas of each replica's micro-batch mean.
