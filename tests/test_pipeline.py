@@ -260,3 +260,21 @@ def test_pp_fsdp_gathers_each_stage_once_per_step(schedule):
     assert sum(op.multiplicity for op in whole) == stack_arrays  # [L/p, ...] each, once
     assert all(op.multiplicity == 1 for op in gathers)  # nothing gathered per tick
     assert_matches_reference(prog)
+
+
+@pytest.mark.parametrize("family", ["llama", "user"])
+def test_stage_work_splits_the_backward_without_repeating_work(family):
+    """The pieces the explicit schedules run, compiled on one device: without remat the backward
+    executes exactly twice the forward's matmul FLOPs (nothing recomputed), and zb-h1's input
+    gradient (B) and weight gradient (W) add up to it exactly (W repeats none of B's matmuls)."""
+    import user_models as um
+
+    import sharding
+    from sharding.pipeline import stage_work
+
+    work = sharding.Workload.from_family(llama, CFG) if family == "llama" else um.transformer()
+    w = stage_work(work, 2, 2, SEQ if family == "llama" else None)
+    assert w["backward"] == 2 * w["forward"]
+    assert w["input_grad"] + w["weight_grad"] == w["backward"]
+    assert 0 < w["weight_grad"] < w["input_grad"]
+    assert w["head_backward"] == 2 * w["head_forward"]

@@ -37,6 +37,7 @@ from sharding.pipeline._stages import (
     balanced_stages,
     stack_flop_overhead,
     stage_report,
+    stage_work,
     workload_stage_costs,
 )
 
@@ -69,5 +70,6 @@ __all__ = [
     "render",
     "stack_flop_overhead",
     "stage_report",
+    "stage_work",
     "workload_stage_costs",
 ]

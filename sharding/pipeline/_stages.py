@@ -184,6 +184,92 @@ def workload_stage_costs(workload: Any, microbatch_rows: int, seq_len: int | Non
     return {"layer": layered - identity, "before": before, "after": identity - before}
 
 
+def stage_work(
+    workload: Any, layers: int, microbatch_rows: int, seq_len: int | None, remat: str = "none"
+) -> dict[str, int]:
+    """Matmul FLOPs of one micro-batch through one stage of ``layers`` layers, compiled on one
+    device with the pieces the explicit schedules run (`sharding.pipeline._explicit`):
+
+    ``forward`` (F, residuals kept), ``backward`` (1f1b's B: input and weight gradients),
+    ``input_grad`` and ``weight_grad`` (zb-h1's B and W; they add up to ``backward``), and
+    ``head_forward`` / ``head_backward``: what follows the stack (head and loss), forward and
+    its VJP, run by the last stage. Feed them to `Schedule.tick_costs` to price a schedule.
+
+    Example (with ``llama`` the model family module ``models.llama``):
+        >>> work = Workload.from_family(llama, llama.config("tiny"))  # doctest: +SKIP
+        >>> stage_work(work, 2, 2, 32)["forward"]  # doctest: +SKIP
+        10485760
+    """
+    from sharding._shardings import remat_wrapper
+    from sharding.pipeline._explicit import _Layers
+    from sharding.pipeline._scan import Extras
+
+    model = nnx.eval_shape(lambda: workload.model(nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    batch = workload.batch_shapes(microbatch_rows, seq_len or workload.seq)
+    path = workload.stack
+
+    def with_stack(fn: Any) -> Any:
+        """``fn(call, model, batch, *more)`` run where the loss calls the stack; its value."""
+
+        def run(state: Any, batch: dict, *more: Any) -> Any:
+            m = nnx.merge(graphdef, state)
+            out = {}
+
+            def take(call: Any) -> jax.Array:
+                out["value"] = fn(call, m, batch, *more)
+                return call.h
+
+            with taken_over(m, path, take):
+                workload.loss(m, batch)
+            return out["value"]
+
+        return run
+
+    def pieces(call: Any) -> tuple[Any, Any, list, list]:
+        extras = Extras.of(call, path)
+        floats = [bool(jnp.issubdtype(x.dtype, jnp.inexact)) for x in extras.arrays]
+        chunk = _Layers(extras.layer_fn(call), remat_wrapper(remat), floats)
+        w = jax.tree.map(lambda a: a[:layers], call.state)
+        fex = [x for x, f in zip(extras.arrays, floats, strict=True) if f]
+        return chunk, w, fex, extras.arrays
+
+    def forward(call: Any, m: Any, b: dict) -> Any:
+        chunk, w, fex, ex = pieces(call)
+        return chunk.forward(w, call.h, fex, ex)
+
+    def backward(call: Any, m: Any, b: dict, res: list, weights: bool) -> Any:
+        chunk, w, fex, ex = pieces(call)
+        chunk.forward(w, call.h, fex, ex)  # traced for the pullback's structure; dead code
+        return chunk.backward(w, res, call.h, fex, weights=weights)
+
+    def weight_grad(call: Any, m: Any, b: dict, res: list, boundary: list) -> Any:
+        chunk, w, fex, ex = pieces(call)
+        chunk.forward(w, call.h, fex, ex)
+        return chunk.weight_grad(w, res, boundary, call.h)
+
+    def after(state: Any, batch: dict, y: jax.Array) -> jax.Array:
+        """What follows the stack (head and loss), given the stack's output ``y``."""
+        m = nnx.merge(graphdef, state)
+        with taken_over(m, path, lambda _: y):
+            return workload.loss(m, batch)
+
+    res = jax.eval_shape(with_stack(lambda *a: forward(*a)[1]), state, batch)
+    bnd = jax.eval_shape(with_stack(lambda c, m, b, r: backward(c, m, b, r, False)[2]),
+                         state, batch, res)  # fmt: skip
+    before = _flops(with_stack(lambda call, m, b: call.h), state, batch)
+    f = _flops(with_stack(lambda *a: forward(*a)[0]), state, batch)
+    full = _flops(with_stack(lambda c, m, b, r: backward(c, m, b, r, True)), state, batch, res)
+    dx = _flops(with_stack(lambda c, m, b, r: backward(c, m, b, r, False)), state, batch, res)
+    dw = _flops(with_stack(weight_grad), state, batch, res, bnd)
+    y = jax.eval_shape(with_stack(lambda call, m, b: call.h), state, batch)
+    head_f = _flops(after, state, batch, y)
+    head_b = _flops(jax.grad(after, argnums=(0, 2)), state, batch, y)
+    return {"forward": f - before, "backward": full - before, "input_grad": dx - before,
+            "weight_grad": dw - before, "head_forward": head_f,
+            "head_backward": head_b - head_f}  # fmt: skip
+
+
 def balanced_stages(
     workload: Any, spec: PipelineSpec, stages: int, microbatch_rows: int, seq_len: int | None
 ) -> tuple[int, ...]:
@@ -258,5 +344,6 @@ __all__ = [
     "balanced_stages",
     "stack_flop_overhead",
     "stage_report",
+    "stage_work",
     "workload_stage_costs",
 ]
