@@ -5,11 +5,10 @@ on llama (default tiny with 8 layers): the schedule's table priced in lock-step 
 `Schedule.tick_costs` (each tick lasts as long as its slowest stage), from per-stage costs taken
 from compiled programs, not constants. On one CPU device, per p:
 
-- F: one stage's forward, the stack's first L/p layers (``nnx.split`` / ``nnx.merge`` of
-  `models.llama.Model`'s stacked `Block`s) on one micro-batch;
-- B: its input-gradient VJP (``jax.vjp`` w.r.t. the stage input only), W: its weight-gradient VJP
-  (w.r.t. the stage's weights only), and the fused backward (w.r.t. both), each compiled as the
-  pullback alone, its residuals given, so no forward is counted twice;
+- F: one stage's forward, the stack's first L/p layers, on one micro-batch, keeping every
+  layer's residuals; the fused backward (1f1b's B) from them; zb-h1's B (input gradient) and W
+  (weight gradient), which add up to the fused backward (`sharding.pipeline.stage_work`: the
+  executor's own pieces, compiled);
 - the head and loss (final norm, LM head, cross-entropy) forward and VJP on one micro-batch,
   added to the last stage: to its forward and backward under gpipe and circular (autodiff's
   order), all in its forward under 1f1b, interleaved and zb-h1 (their last forward runs the head
@@ -121,20 +120,16 @@ class Costs:
     head_backward: int
     compile_s: float
 
-    def per_stage(self, schedule: Any, *, dw_only: bool = False
-                  ) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+    def per_stage(self, schedule: Any) -> tuple[list[float], list[float], list[float]]:
         """(F, B, W) per stage for `Schedule.tick_costs`, the head's work on the last stage.
 
         A split backward (zb-h1) runs B then W; a fused one costs ``backward + weight`` there,
         so it is given as (fused backward, 0). Explicit schedules run the head's forward and VJP
         inside the last stage's forward; gpipe and circular run its VJP in the backward.
-        ``dw_only``: a what-if for split schedules, W as the weight-gradient matmuls alone
-        (fused backward - B), as if W were given every matmul's output gradient by B.
         """
         p = self.stages
         if schedule.splits_backward:
-            w_cost = self.backward - self.input_grad if dw_only else self.weight_grad
-            f, b, w = [self.forward] * p, [self.input_grad] * p, [w_cost] * p
+            f, b, w = [self.forward] * p, [self.input_grad] * p, [self.weight_grad] * p
         else:
             f, b, w = [self.forward] * p, [self.backward] * p, [0] * p
         if schedule.explicit:
@@ -146,69 +141,19 @@ class Costs:
 
 
 def stage_costs(p: int, args: Any) -> Costs:
-    """Compile one stage's F, B, W and fused backward (and the head's forward and VJP) on one
-    CPU device and count their matmul FLOPs; a micro-batch is ``args.rows x args.seq`` tokens."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
+    """One stage's F, B, W and fused backward (and the head's forward and VJP), compiled on one
+    CPU device from the pieces the explicit schedules run (`sharding.pipeline.stage_work`); a
+    micro-batch is ``args.rows x args.seq`` tokens. Matmul FLOPs do not depend on the dtype."""
     from models import llama
-    from sharding.inspection import count_flops
-    from sharding.pipeline import check_layers
+    from sharding import Workload
+    from sharding.pipeline import check_layers, stage_work
 
     started = time.perf_counter()
     cfg = dataclasses.replace(llama.config(args.size), n_layers=args.layers)
     n = check_layers(cfg.n_layers, p)
-    dtype = jnp.dtype(args.dtype)
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-
-    def on_cpu(tree: Any) -> Any:
-        def one(a: Any) -> Any:
-            floating = jnp.issubdtype(a.dtype, jnp.floating)
-            return jax.ShapeDtypeStruct(a.shape, dtype if floating else a.dtype, sharding=cpu)
-
-        return jax.tree.map(one, tree)
-
-    def flops(fn: Any, *shapes: Any) -> int:
-        return count_flops(jax.jit(fn).lower(*shapes).compile().as_text()).total
-
-    def pullback_flops(make: Any, *shapes: Any) -> int:
-        """FLOPs of a pullback alone: its residuals are arguments, so its forward is not run."""
-        pullback = on_cpu(jax.eval_shape(make, *shapes))
-        return flops(lambda pb, g: pb(g), pullback, shapes[-1])
-
-    model = nnx.eval_shape(lambda: llama.Model(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model.layers)
-    # One stage: the stack's first L/p layers (a Stacked[Block]: its call scans its layers).
-    w = on_cpu(jax.eval_shape(lambda s: jax.tree.map(lambda a: a[:n], s), state))
-    h = on_cpu(jax.ShapeDtypeStruct((args.rows, args.seq, cfg.d_model), dtype))
-
-    def stage(w: Any, x: Any) -> Any:
-        return nnx.merge(graphdef, w)(x)
-
-    forward = flops(stage, w, h)
-    input_grad = pullback_flops(lambda w, x: jax.vjp(lambda x_: stage(w, x_), x)[1], w, h)
-    weight_grad = pullback_flops(lambda w, x: jax.vjp(lambda w_: stage(w_, x), w)[1], w, h)
-    backward = pullback_flops(lambda w, x: jax.vjp(stage, w, x)[1], w, h)
-
-    model_def, model_state = nnx.split(model)
-    params = on_cpu(model_state)
-    targets = on_cpu(jax.ShapeDtypeStruct((args.rows, args.seq), jnp.int32))
-
-    def head_loss(params: Any, y: Any, targets: Any) -> Any:
-        logits = nnx.merge(model_def, params).head(y)
-        return llama.loss_from_logits(logits, {"targets": targets})
-
-    head_forward = flops(head_loss, params, h, targets)
-
-    def head_vjp(params: Any, y: Any, targets: Any) -> Any:
-        return jax.vjp(lambda p_, y_: head_loss(p_, y_, targets), params, y)[1]
-
-    pullback = on_cpu(jax.eval_shape(head_vjp, params, h, targets))
-    one = on_cpu(jax.ShapeDtypeStruct((), jnp.float32))
-    head_backward = flops(lambda pb, g: pb(g), pullback, one)
-    return Costs(p, n, forward, input_grad, weight_grad, backward, head_forward, head_backward,
-                 time.perf_counter() - started)  # fmt: skip
+    w = stage_work(Workload.from_family(llama, cfg), n, args.rows, args.seq)
+    return Costs(p, n, w["forward"], w["input_grad"], w["weight_grad"], w["backward"],
+                 w["head_forward"], w["head_backward"], time.perf_counter() - started)  # fmt: skip
 
 
 def price(p: int, m: int, schedule: str, costs: Costs, args: Any) -> dict[str, Any]:
@@ -227,9 +172,6 @@ def price(p: int, m: int, schedule: str, costs: Costs, args: Any) -> dict[str, A
         bubble_fraction=tc.bubble_fraction, schedule=schedule, source="compiled stage programs",
     )  # fmt: skip
     st = step_time(work, tgt)
-    # What-if for zb-h1: W as the dW matmuls alone (see `Costs.per_stage`); None otherwise.
-    dw_only = sched.tick_costs(*costs.per_stage(sched, dw_only=True)) if sched.splits_backward \
-        else None  # fmt: skip
     return {
         "stages": p, "microbatches": m, "schedule": schedule, "label": label(schedule),
         "repeats": sched.repeats, "ticks": len(tc.ticks), "scan_ticks": sched.ticks,
@@ -238,8 +180,6 @@ def price(p: int, m: int, schedule: str, costs: Costs, args: Any) -> dict[str, A
         "step_s": st.step_s, "bubble_s": st.bubble_s, "compute_s": st.compute_s,
         "tokens_per_s_per_device": st.throughput_per_device,
         "peak_activations": max(sched.peak_activations),
-        "bubble_flops_if_w_dw_only": None if dw_only is None else dw_only.bubble,
-        "critical_flops_if_w_dw_only": None if dw_only is None else dw_only.critical,
     }  # fmt: skip
 
 
@@ -268,10 +208,6 @@ def check_claims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             claim["ratio"] = mine["bubble_flops"] / one["bubble_flops"]
             claim["fraction_ratio"] = mine["bubble_priced"] / one["bubble_priced"]
             claim["holds"] = claim["ratio"] <= limit
-            if mine.get("bubble_flops_if_w_dw_only") is not None:
-                claim["ratio_if_w_dw_only"] = (
-                    mine["bubble_flops_if_w_dw_only"] / one["bubble_flops"]
-                )
         out.append(claim)
     return out
 
@@ -417,10 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[yellow]not checked[/] {c['claim']}: the grid lacks the point")
         else:
             verdict = "[green]holds[/]" if c["holds"] else "[red]FAILS[/]"
-            what_if = ("" if "ratio_if_w_dw_only" not in c else
-                       f"; {c['ratio_if_w_dw_only']:.3f} if W ran its dW matmuls only")  # fmt: skip
             console.print(f"{verdict} {c['claim']}: bubble ratio {c['ratio']:.3f} (bubble "
-                          f"fractions {c['fraction_ratio']:.3f}){what_if}")  # fmt: skip
+                          f"fractions {c['fraction_ratio']:.3f})")  # fmt: skip
     console.print(f"{len(rows)} points in {elapsed:.1f} s ({args.rows} x {args.seq} tokens per "
                   f"micro-batch); {tgt.describe()}")  # fmt: skip
     out = out_dir(args.out)
