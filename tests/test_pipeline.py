@@ -278,3 +278,26 @@ def test_stage_work_splits_the_backward_without_repeating_work(family):
     assert w["input_grad"] + w["weight_grad"] == w["backward"]
     assert 0 < w["weight_grad"] < w["input_grad"]
     assert w["head_backward"] == 2 * w["head_forward"]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "remat"),
+    [("1f1b", "full"), ("zb-h1", "full"), ("zb-h1", "dots"), ("interleaved", "full")],
+)
+def test_explicit_schedules_under_remat_match_one_device(schedule, remat):
+    r = 2 if schedule == "interleaved" else 1
+    assert_matches_reference(program("pp", "stage=2,data=4", schedule, 4, r, remat=remat))
+
+
+def test_stage_work_under_full_remat_splits_the_recompute_too():
+    """With remat full the backward recomputes each layer (but its last matmul) once; zb-h1's B
+    takes the recompute and the input gradient, W still only the weight-gradient matmuls."""
+    import sharding
+    from sharding.pipeline import stage_work
+
+    work = sharding.Workload.from_family(llama, CFG)
+    plain, full = stage_work(work, 2, 2, SEQ), stage_work(work, 2, 2, SEQ, remat="full")
+    down = 2 * 2 * SEQ * CFG.d_ff * CFG.d_model  # a layer's last matmul, on 2 x SEQ tokens
+    assert full["backward"] == plain["backward"] + plain["forward"] - 2 * down
+    assert full["input_grad"] + full["weight_grad"] == full["backward"]
+    assert full["weight_grad"] == plain["weight_grad"]

@@ -39,7 +39,12 @@ class Split:
 
     def __init__(self, fn: Callable, args: Sequence[Any], n_w: int, keep: set[int]):
         flat, self.in_tree = jax.tree.flatten(list(args))
-        self.closed = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(self.in_tree, xs)))(*flat)
+        nested = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(self.in_tree, xs)))(*flat)
+        # Calls inlined (a remat'd layer's recompute is one `checkpoint` equation, a jitted
+        # helper one `pjit`): the cut can then fall inside them.
+        self.closed = jax.make_jaxpr(
+            lambda *xs: _evaluate(nested.jaxpr, nested.consts, list(xs), inline=True)
+        )(*flat)
         jaxpr = self.closed.jaxpr
         self.n_w = n_w
         outs = jaxpr.outvars
@@ -93,6 +98,47 @@ def _read(env: dict, v: Any) -> Any:
     if _is_literal(v):
         return jnp.broadcast_to(jnp.asarray(v.val, v.aval.dtype), v.aval.shape)
     return env[v]
+
+
+_CALLS = (
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "checkpoint",
+    "remat",
+    "remat2",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+)
+
+
+def _inner(eqn: Any) -> tuple[Any, Any] | None:
+    """(jaxpr, consts) of a call-like equation whose body can be evaluated in place, else None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(key)
+        if inner is not None:
+            return (inner.jaxpr, inner.consts) if hasattr(inner, "jaxpr") else (inner, ())
+    return None
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: list, *, inline: bool) -> list:
+    """``jaxpr`` evaluated on ``args``; with ``inline``, call-like equations run their bodies."""
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        inner = _inner(eqn) if inline else None
+        if inner is None:
+            _run([eqn], env)
+            continue
+        outs = _evaluate(inner[0], inner[1], [_read(env, v) for v in eqn.invars], inline=True)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not _is_drop(v):
+                env[v] = x
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
 def _run(eqns: list, env: dict) -> None:
