@@ -16,7 +16,6 @@ from flax import nnx
 from models import llama
 from sharding import Workload, build_program
 from sharding.pipeline import (
-    PipelineConfigError,
     PipelineSpec,
     StageLayersError,
     balance_layers,
@@ -56,6 +55,8 @@ def reference():
         ("pp_fsdp", "stage=2,fsdp=4", "1f1b", None, (1, 7)),
         ("pp", "stage=2,data=4", "interleaved", 2, (1, 3, 3, 1)),
         ("pp", "stage=4,data=2", "zb-h1", None, (1, 2, 2, 3)),
+        ("pp", "stage=2,data=4", "gpipe", None, (3, 5)),
+        ("pp_tp", "stage=2,data=2,tensor=2", "circular", 2, (1, 3, 3, 1)),
     ],
 )
 def test_uneven_stages_match_one_device(strategy, mesh, schedule, repeats, stage_layers):
@@ -99,12 +100,6 @@ def test_uneven_stages_on_a_user_model_with_extra_layer_inputs():
 def test_bad_stage_layers_are_refused_before_compiling(stage_layers, error, match):
     with pytest.raises(error, match=match):
         program("pp", "stage=2,data=4", "1f1b", stage_layers)
-
-
-def test_balanced_stages_need_an_explicit_schedule():
-    with pytest.raises(PipelineConfigError, match=r"balanced stages run under the schedules "
-                                                  r"1f1b, interleaved and zb-h1; schedule='gpipe'"):  # fmt: skip
-        program("pp", "stage=2,data=4", "gpipe", (3, 5))
 
 
 def test_auto_balance_moves_layers_off_the_stage_that_runs_the_head():

@@ -75,12 +75,6 @@ def check_pipeline(spec: PipelineSpec, mesh: jshard.Mesh, n_layers: int, batch: 
         check_layers(n_layers, sizes["stage"], spec.repeats)
     else:
         check_stage_layers(spec.stage_layers, n_layers, sizes["stage"], spec.repeats)
-        if not schedule.explicit:
-            raise PipelineConfigError(
-                f"stage_layers={list(spec.stage_layers)}: balanced stages run under the schedules "
-                f"1f1b, interleaved and zb-h1; schedule={spec.schedule!r} needs equal stages "
-                f"(stage_layers=None)"
-            )
     split = sizes.get("data", 1) * sizes.get("fsdp", 1)
     if batch % spec.microbatches or (batch // spec.microbatches) % split:
         raise PipelineConfigError(
@@ -131,6 +125,7 @@ def scan_pipeline(
     schedule: Schedule,
     wrap: Callable | None,
     rows: bool = False,
+    slots: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> jax.Array:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
@@ -141,12 +136,17 @@ def scan_pipeline(
     ``[m * b, ...]`` rows of `from_microbatches`, split over ``data`` and ``stage`` (each stage
     receives its share of the last stage's rows, a reduce-scatter instead of an all-reduce) where
     they divide and no ``fsdp`` axis splits them further; else on every stage.
+    ``slots``: balanced stages' ``(index, valid)`` from `layer_slots` (spare slots skipped).
     Differentiated by autodiff through the scan.
     """
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
     sizes = dict(mesh.shape)
     scatter = rows and sizes.get("fsdp", 1) == 1 and (h_m.shape[1] // sizes["data"] * m) % p == 0
-    stage_layers = _stage_view(layers, p, r)
+    if slots is None:
+        stage_layers, valid_tab = _stage_view(layers, p, r), None
+    else:
+        stage_layers = jax.tree.map(lambda w: w[jnp.asarray(slots[0])], layers)
+        valid_tab = jnp.asarray(slots[1])
     extras_m = list(extras_m or [])
 
     def run(w: Any, h_m: jax.Array, extras_m: list) -> jax.Array:
@@ -170,18 +170,31 @@ def scan_pipeline(
         # sliced inside the layer's checkpoint (full, dots), which keeps w once and slices again
         # in backward; without remat the slices (and what the layer derives from them) are still
         # kept per tick: no policy saves all activations but no weight-derived value.
-        if r == 1:
+        ok = None if valid_tab is None else valid_tab[sid]  # [r, Lr]: balanced stages' real slots
+        if r == 1 and ok is None:
             whole = jax.tree.map(lambda a: a[0], w)
 
             def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
                 return apply_layers(layer_fn, whole, h, extras, wrap)
+        elif r == 1:
+            whole = (jax.tree.map(lambda a: a[0], w), ok[0])
+
+            def real(state: tuple, h: jax.Array, extras: list) -> jax.Array:
+                return lax.cond(state[1], lambda x: layer_fn(state[0], x, extras), lambda x: x, h)
+
+            def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
+                return apply_layers(real, whole, h, extras, wrap)
         else:
             per = jax.tree.leaves(w)[0].shape[1]
 
             def apply(j: jax.Array, h: jax.Array, extras: list) -> jax.Array:
                 def layer(i: jax.Array, h: jax.Array, extras: list) -> jax.Array:
                     take = lambda a, k: lax.dynamic_index_in_dim(a, k, 0, False)  # noqa: E731
-                    return layer_fn(jax.tree.map(lambda a: take(take(a, j), i), w), h, extras)
+                    lw = jax.tree.map(lambda a: take(take(a, j), i), w)
+                    if ok is None:
+                        return layer_fn(lw, h, extras)
+                    run = lambda x: layer_fn(lw, x, extras)  # noqa: E731
+                    return lax.cond(ok[j, i], run, lambda x: x, h)
 
                 return apply_layers(layer, jnp.arange(per), h, extras, wrap)
 
@@ -350,8 +363,10 @@ def pipelined_loss(
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
         # head runs over all devices), not on all of them on every stage: the last stage's
         # rows are reduce-scattered over the stages rather than all-reduced to each.
-        out = scan_pipeline(extras.layer_fn(call), layers, h_m, extras_m,
-                            mesh=mesh, schedule=schedule, wrap=wrap, rows=True)  # fmt: skip
+        slots = None if stage_layers is None else layer_slots(stage_layers, schedule.stages,
+                                                              schedule.repeats)  # fmt: skip
+        out = scan_pipeline(extras.layer_fn(call), layers, h_m, extras_m, mesh=mesh,
+                            schedule=schedule, wrap=wrap, rows=True, slots=slots)  # fmt: skip
         return _rows_over_stages(out, mesh)
 
     with taken_over(model, stack, run) as calls:
