@@ -258,8 +258,9 @@ def test_gpipe_ticks_compute_on_zeros_so_the_compiled_count_is_what_runs():
     # m + p - 1 = 7 ticks, bubble ticks included.
     assert p["ticks"] == 7 and 64 * LAYER_FWD in p["tick_flops"]
     assert p["loop_flops"] == 7 * sum(p["tick_flops"])
-    # The head runs outside the ticks on the data replica's 8 rows: 3 x its forward.
-    assert p["outside_flops"] == 3 * 256 * HEAD_FWD
+    # The head runs outside the ticks on the stage's share of the data replica's 8 rows (2 of
+    # them, 64 tokens): 3 x its forward.
+    assert p["outside_flops"] == 3 * 64 * HEAD_FWD
     assert work.matmul_flops == p["charged_flops"] == report.matmul_flops
     assert work.bubble_flops == pytest.approx(3 / 7 * p["loop_flops"])
     st = step_time(work, "h100:1x8")
@@ -267,48 +268,43 @@ def test_gpipe_ticks_compute_on_zeros_so_the_compiled_count_is_what_runs():
 
 
 def test_1f1b_is_priced_from_the_schedule_not_from_every_branch():
-    gpipe, gpipe_report = compiled("pp", "stage=4,data=2", "gpipe")
     program, report = compiled("pp", "stage=4,data=2", "1f1b")
     with pytest.raises(StepTimeError, match=r"pass hlo_text=program.compiled.as_text\(\)"):
         work_from_report(report, tokens=BATCH * SEQ, schedule=program.schedule)
     hlo = program.compiled.as_text()
     work = work_from_report(report, tokens=BATCH * SEQ, schedule=program.schedule, hlo_text=hlo)
-    gpipe_work = work_from_report(
-        gpipe_report, tokens=1, schedule=gpipe.schedule, hlo_text=gpipe.compiled.as_text()
-    )
-    gpipe_ticks = gpipe_work.pipeline["tick_flops"]
     p = work.pipeline
-    f, b, b_last = p["forward_tick_flops"], p["backward_tick_flops"], p["backward_tick_flops_last"]
-    # The forward branch is the stage's forward tick, as gpipe runs it (whose backward, without
-    # remat, is exactly twice that: nothing recomputed) ...
-    assert f == 64 * LAYER_FWD and sorted(gpipe_ticks) == [f, 2 * f]
-    assert b_last > b  # ... the last stage's backward adding the head and the loss.
-    # count_flops charges every branch of every tick: the switch's and those of the backward's
-    # head-or-not conditional (its only matmuls), so the forward, both backwards, 14 times.
-    assert report.matmul_flops == p["charged_flops"] == 14 * (f + b + b_last)
-    # What runs, from the table (tick: F F F F Bl Bo Bl Bo Bl Bo Bl Bo Bo Bo as its slowest
-    # stage): 4 forwards, 4 last-stage backwards, 6 others; the last stage itself is busy
-    # with 4 forwards and 4 backwards, the rest of the critical path is bubble.
+    f, b, h = p["forward_tick_flops"], p["backward_tick_flops"], p["head_tick_flops"]
+    # One layer per stage on micro-batches of 2 rows x 32 tokens; its backward is twice its
+    # forward (nothing recomputed); the head and loss with their VJP, 3 x the head's forward,
+    # run in the last stage's forward lane.
+    assert (f, b, h, p["weight_tick_flops"]) == (64 * LAYER_FWD, 2 * f, 3 * 64 * HEAD_FWD, 0)
+    # count_flops charges every lane of every tick, the head's conditional included: 10 ticks.
+    assert report.matmul_flops == p["charged_flops"] == 10 * (f + b + h)
+    # What runs, from the fused table (tick: F F F FBh FBh FBh FBh B B B as its slowest stage):
+    # the last stage runs F, B and the head of one micro-batch in each of ticks 3-6; the rest of
+    # the critical path, (p - 1)(F + B), is bubble.
     sched = make_schedule(4, 4, "1f1b")
     assert program.schedule.table == sched.table
-    assert work.matmul_flops == p["critical_flops"] == 4 * f + 4 * b_last + 6 * b
-    assert p["busiest_device_flops"] == 4 * (f + b_last)
-    assert work.bubble_flops == 6 * b
-    assert any("charges all 3 branches of each of the 14 ticks" in n for n in work.notes)
+    assert work.matmul_flops == p["critical_flops"] == 7 * f + 7 * b + 4 * h
+    assert p["critical_flops"] == sched.tick_costs([f, f, f, f + h], b).critical
+    assert p["busiest_device_flops"] == 4 * (f + b + h)
+    assert work.bubble_flops == 3 * (f + b)
+    assert any("charges every lane of each of the 10 ticks" in n for n in work.notes)
 
 
 def test_1f1b_with_a_layer_loop_inside_each_stage():
-    # stage=2: 2 layers per stage (a loop of 2 inside every tick), micro-batches of 1 row x 32
-    # tokens. Table (p=2, m=4), slowest stage per tick: F F Bl Bo Bl Bo Bl Bo Bl Bo.
+    # stage=2: 2 layers per stage (a loop of 2 inside every lane), micro-batches of 1 row x 32
+    # tokens. Table (p=2, m=4), slowest stage per tick: F FBh FBh FBh FBh B.
     program, report = compiled("pp", "stage=2,data=4", "1f1b")
     work = work_from_report(report, tokens=BATCH * SEQ, schedule=program.schedule,
                             hlo_text=program.compiled.as_text())  # fmt: skip
     p = work.pipeline
-    f, b, b_last = p["forward_tick_flops"], p["backward_tick_flops"], p["backward_tick_flops_last"]
-    assert (p["ticks"], f) == (10, 32 * 2 * LAYER_FWD)
-    assert report.matmul_flops == 10 * (f + b + b_last)
-    assert work.matmul_flops == 2 * f + 4 * b_last + 4 * b
-    assert work.bubble_flops == work.matmul_flops - 4 * (f + b_last)
+    f, b, h = p["forward_tick_flops"], p["backward_tick_flops"], p["head_tick_flops"]
+    assert (p["ticks"], f, b, h) == (6, 32 * 2 * LAYER_FWD, 2 * f, 3 * 32 * HEAD_FWD)
+    assert report.matmul_flops == 6 * (f + b + h)
+    assert work.matmul_flops == 5 * f + 5 * b + 4 * h
+    assert work.bubble_flops == work.matmul_flops - 4 * (f + b + h) == f + b
 
 
 def test_work_from_prediction():
@@ -326,20 +322,25 @@ def test_work_from_prediction():
     assert 0 < st.mfu < 1 and st.fits
 
 
-def test_1f1b_prediction_recovers_stage_and_head_for_the_lockstep():
-    # predict's 1f1b: executed = stage x 4 x m + head, critical = stage x 3 x ticks + head.
-    # stage 1e9 and head 0.5e9 FLOPs, p = m = 4 (14 ticks): F = 1e9, B = 3e9, B_last = 3.125e9.
-    base = predict(models.llama, "tiny", "dp", {"data": 8}, BATCH, SEQ)
-    pred = dataclasses.replace(
-        base, strategy="pp", mesh={"stage": 4, "data": 2, "fsdp": 1, "tensor": 1},
-        pipeline={"name": "1f1b", "microbatches": 4, "repeats": 1, "ticks": 14},
-        matmul_flops=16.5e9, critical_flops=42.5e9,
-    )  # fmt: skip
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_explicit_predictions_are_priced_from_their_lanes_in_lockstep(schedule):
+    # predict's lanes for p = m = 4 on micro-batches of 2 rows x 32 tokens, one layer a stage:
+    # F the layer's forward, B + W twice it, the head's forward and VJP on the last stage.
+    pred = predict(models.llama, "tiny", "pp", {"stage": 4, "data": 2}, BATCH, SEQ,
+                   pipeline=(schedule, 4, 1))  # fmt: skip
+    lanes = pred.pipeline["lanes"]
+    f, b, w, h = (lanes[k] for k in ("forward", "backward", "weight", "head"))
+    assert (f, b + w, h) == (64 * LAYER_FWD, 2 * f, 3 * 64 * HEAD_FWD)
+    assert (w > 0) == (schedule == "zb-h1")
     work = work_from_prediction(pred)
-    assert work.model_flops is None and work.schedule == "1f1b"
-    assert work.matmul_flops == pytest.approx(4 * 1e9 + 4 * 3.125e9 + 6 * 3e9)
-    assert work.bubble_flops == pytest.approx(6 * 3e9)
-    assert work.bubble_fraction == pytest.approx(3 / 7)
+    assert work.model_flops is None and work.schedule == schedule
+    costs = make_schedule(4, 4, schedule).tick_costs([f, f, f, f + h], b, w)
+    assert work.matmul_flops == pytest.approx(costs.critical) == pred.critical_flops
+    assert pred.matmul_flops == pytest.approx(costs.busiest) == 4 * (f + b + w + h)
+    assert work.bubble_flops == pytest.approx(costs.bubble)
+    assert work.bubble_fraction == make_schedule(4, 4, schedule).bubble_fraction
+    if schedule == "1f1b":
+        assert work.matmul_flops == pytest.approx(7 * f + 7 * b + 4 * h)
 
 
 def test_llama_8b_on_four_h100_nodes():

@@ -32,7 +32,8 @@ from sharding._init import abstract_params
 from sharding._mesh import MeshSpec, mesh_text
 from sharding._resolve import place
 from sharding._units import fmt_bytes, fmt_count
-from sharding.costmodel._traffic import Param, Traffic, classify, tied, traffic
+from sharding.costmodel import _lanes
+from sharding.costmodel._traffic import Param, Traffic, classify, traffic
 from sharding.inspection import COLLECTIVE_KINDS
 from sharding.pipeline import PipelineSpec, Schedule, check_pipeline
 
@@ -265,39 +266,6 @@ def _layer_activations(s: Setup, tokens: int) -> float:
     return tokens * (per_token + SAVED_SCORE_COPIES * 4 * heads * s.seq)
 
 
-def _flops(s: Setup, rows: int) -> tuple[float, float]:
-    """(matmul FLOPs per device per step, those on the critical path of the lock-step ticks).
-
-    2 FLOPs per multiply-add; backward twice the forward; remat adds a forward.
-    """
-    cfg, sz = s.cfg, s.sizes
-    t, p = sz["tensor"], sz["stage"]
-    layer_mm = sum(q.size for q in s.params if q.role == "layer" and len(q.shape) >= 3)
-    head_mm = sum(q.size for q in s.params
-                  if q.role == "head" or (q.role == "table" and tied(s.params)))  # fmt: skip
-    attn = 4 * s.seq * cfg.n_heads * cfg.head_dim  # q.k and p.v per token per layer, forward
-
-    def layer_fwd(tokens: int, layers: float) -> float:
-        return tokens * layers * (2 * layer_mm / cfg.n_layers + attn) / t
-
-    head = 6 * rows * s.seq * head_mm / t
-    extra = s.remat == "full"
-    if s.schedule is None:
-        flops = layer_fwd(rows * s.seq, cfg.n_layers) * (3 + extra) + head
-        return flops, flops
-    sched = s.schedule
-    stage = layer_fwd(rows * s.seq // sched.microbatches, cfg.n_layers / p / sched.repeats)
-    if sched.name == "1f1b":
-        # m forwards + m backwards (a VJP recomputing the forward) run; the stages tick in
-        # lock-step, so each of the 2(m+p-1) ticks lasts a backward.
-        return (stage * (4 + extra) * sched.microbatches + head,
-                stage * (3 + extra) * sched.ticks + head)  # fmt: skip
-    # gpipe/circular: every tick runs (bubble ticks on zeros); remat full recomputes the stage
-    # once in backward, none and dots recompute no matmul.
-    flops = stage * (3 + extra) * sched.ticks + head
-    return flops, flops
-
-
 def predict(
     family: Any,
     cfg: Any,
@@ -350,9 +318,11 @@ def predict(
         mb_act = _layer_activations(s, rows * seq // sched.microbatches)
         mb_in = rows * seq // sched.microbatches * cfg.d_model * s.act_bytes
         tick_layers = cfg.n_layers // (p * sched.repeats)
-        if sched.name == "1f1b":  # stage inputs per buffer slot; one backward recomputes a stage
-            stage_saved = (cfg.n_layers // p) * (mb_in if remat == "full" else mb_act)
-            activations, transient = sched.buffer_slots * mb_in, stage_saved + mb_act
+        if sched.explicit:  # a ring of residual slots, each one chunk's of one micro-batch
+            chunk = tick_layers * (mb_in if remat == "full" else mb_act)  # full: layer inputs
+            wct = sched.slots.weight_cotangents * tick_layers * mb_in  # zb-h1: layer out-grads
+            activations = sched.slots.residuals * chunk + wct
+            transient = mb_act * (2 if remat == "full" else 1)
         else:  # per tick: the stage's input (remat full), else every layer's activations
             if remat == "full":
                 activations, transient = sched.ticks * mb_in, tick_layers * mb_act + mb_act
@@ -369,8 +339,15 @@ def predict(
         "tensor" in q.axes for q in s.params if q.role in ("head", "table")) else 1)  # fmt: skip
     logits = LOGIT_COPIES * rows * seq * vocab * 4
     sched = s.schedule
-    flops, critical = _flops(s, rows)
-    notes = ["1f1b: FLOPs count what runs (a compiled count charges every branch of a tick)"]
+    if sched is not None and sched.explicit:  # the head runs per micro-batch, in the F lane
+        logits /= sched.microbatches
+    flops, critical, lanes = _lanes.flops(s, rows)
+    pipe = None if sched is None else {k: getattr(sched, k) for k in PIPELINE_FIELDS}
+    notes = []
+    if lanes is not None:
+        pipe["lanes"] = lanes.to_dict()
+        notes.append(f"{sched.name}: FLOPs count what the busiest stage runs (a compiled count "
+                     f"charges every lane of every tick); the critical path prices the table")  # fmt: skip
     return Prediction(
         family=family.NAME,
         size=getattr(cfg, "name", "?"),
@@ -381,7 +358,7 @@ def predict(
         dtype=dtype,
         optimizer=optimizer,
         remat=remat,
-        pipeline=None if sched is None else {k: getattr(sched, k) for k in PIPELINE_FIELDS},
+        pipeline=pipe,
         traffic=traffic(s),
         n_params=sum(q.size for q in s.params),
         param_bytes=param_bytes,
@@ -393,7 +370,7 @@ def predict(
         matmul_flops=flops,
         critical_flops=critical,
         bubble_fraction=0.0 if sched is None else sched.bubble_fraction,
-        notes=notes if sched is not None and sched.name == "1f1b" else [],
+        notes=notes,
     )
 
 

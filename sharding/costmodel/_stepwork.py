@@ -5,11 +5,12 @@ its HLO text), `work_from_prediction` off a closed-form `Prediction`; `step_time
 
 A pipelined step needs care. gpipe and circular run every tick on every stage (bubble ticks
 compute on zeros), so the compiled count is what runs, and the bubble is the bubble fraction of
-the tick loops' FLOPs. 1F1B runs one `lax.switch` branch per tick (idle, forward, backward, the
-last stage's backward adding the head), but `count_flops` charges every branch of every tick; the
-tick loop is re-priced from the schedule table instead, in lock-step (each tick ends in a
-collective-permute, so it lasts as long as its slowest stage), with each branch's FLOPs read off
-the HLO by `_Ticks`.
+the tick loops' FLOPs. The explicit schedules (1f1b, interleaved, zb-h1) run each tick's actions
+under `lax.cond` lanes (named scopes ``pipeline_F``, ``pipeline_B``, ``pipeline_W``; the head and
+loss in ``pipeline_head`` inside F, taken by the last virtual stage), so an idle stage skips
+them, but `count_flops` charges every branch of every tick. Their tick loop is re-priced from
+the schedule table instead, by `Schedule.tick_costs` (each tick ends in a collective-permute, so
+it lasts as long as its slowest stage), with each lane's FLOPs read off the HLO by `_Ticks`.
 """
 
 from __future__ import annotations
@@ -21,28 +22,21 @@ from collections.abc import Callable
 from typing import Any
 
 from sharding._units import fmt_bytes, fmt_count
+from sharding.costmodel._lanes import Lanes, price
 from sharding.costmodel._predict import Prediction
 from sharding.costmodel._steptime import CollectiveWork, StepTimeError, StepWork
 from sharding.inspection import ProgramReport, count_flops
 from sharding.pipeline import Kind, Schedule, make_schedule
 
-# The branches of sharding.pipeline's 1f1b tick, in its lax.switch order.
-SWITCH = (Kind.IDLE, Kind.FORWARD, Kind.BACKWARD)
+# The named scope of each lane's conditional in an explicit schedule's tick (sharding.pipeline).
+LANES = {Kind.FORWARD: "pipeline_F", Kind.BACKWARD: "pipeline_B", Kind.WEIGHT: "pipeline_W"}
+HEAD_SCOPE = "pipeline_head"  # inside F: the head, loss and their VJP, last virtual stage only
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation"
                     r"|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")  # fmt: skip
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _NOISE = re.compile(r'/\*.*?\*/|metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _TRIP = re.compile(r'("known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?)(\d+)')
-
-
-def _lockstep(schedule: Schedule, cost: Callable[[Kind, int], float]) -> tuple[float, float]:
-    """(sum over ticks of the slowest stage's tick, the busiest stage's own sum)."""
-    critical, per_stage = 0.0, [0.0] * schedule.stages
-    for row in schedule.table:
-        costs = [cost(a.kind, s) for s, a in enumerate(row)]
-        critical += max(costs)
-        per_stage = [x + c for x, c in zip(per_stage, costs, strict=True)]
-    return critical, max(per_stage)
 
 
 class _Ticks:
@@ -89,23 +83,63 @@ class _Ticks:
         return [(body, self.added(raw, _TRIP.sub(lambda t: f"{t.group(1)}{trips + 1}", raw, 1)))
                 for c, raw, body in found if c not in inner]  # fmt: skip
 
-    def branches(self, comp: str, n: int) -> tuple[list[str], list[float]]:
-        """(names, FLOPs each adds) of the branches of the first ``n``-way conditional under
-        ``comp``, their callees and loops included; ([], []) without one."""
-        reach = self.reach(comp)
+    def branches(self, comp: str, scope: str) -> tuple[list[str], list[float]]:
+        """(names, FLOPs each adds per run) of the branches of the one conditional under
+        ``comp`` made in jax scope ``scope`` (its op_name ends ``scope/cond``), their callees and
+        loops included; ([], []) without one. A branch listed twice runs once more each time
+        the conditional runs."""
+        reach, found = self.reach(comp), []
         for c, line, raw in self.lines:
-            m = _BRANCHES.search(raw) if c in reach and " conditional(" in line else None
-            listed = [x.strip() for x in m.group(1).split(",")] if m else []
-            if len(listed) == n:
-                twice = ["branch_computations={" + ", ".join([*listed, x]) + "}" for x in listed]
-                flops = [self.added(raw, raw.replace(m.group(0), e, 1)) for e in twice]
-                return [x.lstrip("%") for x in listed], flops
-        return [], []
+            if c in reach and " conditional(" in line and (m := _BRANCHES.search(raw)):
+                name = _OP_NAME.search(raw)
+                if name and (name.group(1) + "/").endswith(f"/{scope}/cond/"):
+                    found.append((raw, m))
+        if len(found) != 1:
+            if found:
+                raise StepTimeError(f"{len(found)} conditionals in scope {scope!r} in one tick; "
+                                    f"expected one (sharding.pipeline's explicit schedules)")  # fmt: skip
+            return [], []
+        raw, m = found[0]
+        listed = [x.strip() for x in m.group(1).split(",")]
+        twice = ["branch_computations={" + ", ".join([*listed, x]) + "}" for x in listed]
+        return ([x.lstrip("%") for x in listed],
+                [self.added(raw, raw.replace(m.group(0), e, 1)) for e in twice])  # fmt: skip
 
 
-def _pipeline_flops(hlo_text: str, schedule: Schedule) -> dict[str, Any]:
-    """Per-tick FLOPs of a pipelined step's HLO (summed over its runs per step) and, for 1f1b,
-    the critical path and the busiest stage's own work in lock-step."""
+def _lanes(t: _Ticks, body: str, per_tick: float, schedule: Schedule) -> tuple[Lanes, dict]:
+    """Per action FLOPs of an explicit schedule's tick loop ``body``: each lane's taken branch
+    (the dearest: an idle stage's branch computes nothing), F's head cond taken apart; and per
+    computation of a taken branch, the share of the ticks a stage runs it (m r or, the head's,
+    m of them), which a compiled count charges every tick."""
+    ticks, taken, charged = schedule.ticks, {}, 0.0
+    for kind, scope in LANES.items():
+        names, flops = t.branches(body, scope)
+        if not names and (kind is not Kind.WEIGHT or schedule.splits_backward):
+            raise StepTimeError(
+                f"no {scope} conditional in the {schedule.name} tick loop; expected the lanes of "
+                f"sharding.pipeline's explicit schedules (pass the HLO of the program built "
+                f"with this schedule)"
+            )
+        # Each conditional runs once per tick: FLOPs per run are the step's over the ticks.
+        charged += sum(flops) / ticks
+        taken[kind] = (names[flops.index(max(flops))], max(flops) / ticks) if names else ("", 0.0)
+    # The head's conditional runs inside F's taken branch, once per tick too.
+    names, head = t.branches(taken[Kind.FORWARD][0], HEAD_SCOPE)
+    head = [x / ticks for x in head]
+    m, r = schedule.microbatches, schedule.repeats
+    share = {c: m * r / ticks for name, _ in taken.values() if name for c in t.reach(name)}
+    if names:
+        share |= dict.fromkeys(t.reach(names[head.index(max(head))]), m / ticks)
+    lanes = Lanes(forward=taken[Kind.FORWARD][1] - sum(head), backward=taken[Kind.BACKWARD][1],
+                  weight=taken[Kind.WEIGHT][1], head=max(head, default=0.0),
+                  per_tick=per_tick - charged)  # fmt: skip
+    return lanes, share
+
+
+def _pipeline_flops(hlo_text: str, schedule: Schedule) -> tuple[dict[str, Any], dict]:
+    """Per-tick FLOPs of a pipelined step's HLO (summed over its runs per step) and, for an
+    explicit schedule, its lanes' FLOPs, the critical path and the busiest stage's own work;
+    and the share of its charged runs each lane computation runs (`_lanes`)."""
     t, ticks = _Ticks(hlo_text), schedule.ticks
     loops = t.loops(ticks)
     if not loops:
@@ -118,33 +152,19 @@ def _pipeline_flops(hlo_text: str, schedule: Schedule) -> dict[str, Any]:
     out = {"schedule": schedule.name, "ticks": ticks, "charged_flops": t.base,
            "tick_flops": per_tick, "loop_flops": ticks * sum(per_tick),
            "outside_flops": t.base - ticks * sum(per_tick)}  # fmt: skip
-    if schedule.name != "1f1b":
-        return out
-    names, switch = t.branches(loops[0][0], len(SWITCH))
-    if len(loops) != 1 or not switch:
-        raise StepTimeError(
-            f"the 1f1b HLO has {len(loops)} tick loop(s) and {'a' if switch else 'no'} "
-            f"{len(SWITCH)}-way switch; expected one of each (sharding.pipeline's 1f1b)"
-        )
-    # A branch listed twice runs once more every tick: per tick, divide by the ticks.
-    switch = [x / ticks for x in switch]
-    cost = dict(zip(SWITCH, switch, strict=True))
-    # The backward's own two-way conditional: the head and loss, run by the last stage only.
-    nested = [x / ticks for x in t.branches(names[SWITCH.index(Kind.BACKWARD)], 2)[1]]
-    last = cost[Kind.BACKWARD] - (min(nested) if nested else 0.0)
-    other = cost[Kind.BACKWARD] - (max(nested) if nested else 0.0)
-    rest = per_tick[0] - sum(switch)  # per-tick work outside the switch
-
-    def tick(kind: Kind, stage: int) -> float:
-        if kind is Kind.BACKWARD:
-            return rest + (last if stage == schedule.stages - 1 else other)
-        return rest + cost[kind]
-
-    critical, busiest = _lockstep(schedule, tick)
-    out.update(forward_tick_flops=cost[Kind.FORWARD], backward_tick_flops=other,
-               backward_tick_flops_last=last, critical_flops=out["outside_flops"] + critical,
-               busiest_device_flops=out["outside_flops"] + busiest)  # fmt: skip
-    return out
+    if not schedule.explicit:
+        return out, {}
+    if len(loops) != 1:
+        raise StepTimeError(f"the {schedule.name} HLO has {len(loops)} loops of {ticks} "
+                            f"iterations; expected one, the tick scan")  # fmt: skip
+    lanes, share = _lanes(t, loops[0][0], per_tick[0], schedule)
+    lanes = Lanes(**{**lanes.to_dict(), "outside": out["outside_flops"]})
+    critical, busiest = price(schedule, lanes)
+    out.update(lanes=lanes.to_dict(), forward_tick_flops=lanes.forward,
+               backward_tick_flops=lanes.backward, weight_tick_flops=lanes.weight,
+               head_tick_flops=lanes.head, critical_flops=critical,
+               busiest_device_flops=busiest)  # fmt: skip
+    return out, share
 
 
 def _collectives_of(items: list, key: Callable) -> list[CollectiveWork]:
@@ -182,8 +202,9 @@ def work_from_report(
         model_flops: useful FLOPs per step over all devices (forward and backward, no
             recompute, no bubble) for MFU; None leaves MFU out.
         schedule, hlo_text: ``program.schedule`` and ``program.compiled.as_text()`` of a
-            pipelined step; the text is required for 1f1b (whose count charges every branch of
-            a tick) and splits a gpipe/circular bubble exactly.
+            pipelined step; the text is required for the explicit schedules (1f1b, interleaved,
+            zb-h1, whose count charges every lane of every tick) and splits a gpipe/circular
+            bubble exactly.
         remat: the remat policy (the backward's share of compute, for overlap).
         memory_bound_bytes: default: the optimizer update reading and writing the train state
             once (2 x the argument bytes).
@@ -218,17 +239,19 @@ def work_from_report(
         return work
     work.schedule, work.bubble_fraction = schedule.name, schedule.bubble_fraction
     if hlo_text is None:
-        if schedule.name == "1f1b":
+        if schedule.explicit:
             raise StepTimeError(
-                "1f1b runs one branch of a lax.switch per tick but the report's FLOPs charge "
-                "every branch; pass hlo_text=program.compiled.as_text() to price each tick"
+                f"{schedule.name} runs its F, B and W lanes under lax.cond but the report's FLOPs "
+                f"charge every lane of every tick; pass hlo_text=program.compiled.as_text() to "
+                f"price each tick"
             )
         work.bubble_flops = schedule.bubble_fraction * work.matmul_flops
         notes.append("Bubble: the bubble fraction of all matmul FLOPs (no HLO given: work "
                      "outside the tick scan counted as if it ticked).")  # fmt: skip
         return work
-    work.pipeline = p = _pipeline_flops(hlo_text, schedule)
-    if schedule.name != "1f1b":
+    p, share = _pipeline_flops(hlo_text, schedule)
+    work.pipeline = p
+    if not schedule.explicit:
         work.bubble_flops = schedule.bubble_fraction * p["loop_flops"]
         notes.append(f"{schedule.name}: every stage runs every tick (bubble ticks compute on "
                      f"zeros), so the compiled count is what runs; bubble = "
@@ -237,13 +260,19 @@ def work_from_report(
         return work
     work.matmul_flops = p["critical_flops"]
     work.bubble_flops = p["critical_flops"] - p["busiest_device_flops"]
+    # Collectives inside a lane (tensor-parallel reductions) run when it does, not every tick.
+    work.collectives = _collectives_of(report.collectives, lambda op: (
+        op.kind, op.axes, op.bytes * op.multiplicity * share.get(op.computation, 1.0),
+        round(op.multiplicity * share.get(op.computation, 1.0)), ""))  # fmt: skip
+    weight = f", weight {fmt_count(p['weight_tick_flops'])}" if schedule.splits_backward else ""
     notes.append(
-        f"1f1b: the compiled count charges all {len(SWITCH)} branches of each of the "
-        f"{schedule.ticks} ticks ({fmt_count(p['charged_flops'])} FLOPs); priced instead from the "
-        f"schedule table in lock-step, each tick as long as its slowest stage: forward "
-        f"{fmt_count(p['forward_tick_flops'])}, backward {fmt_count(p['backward_tick_flops'])} "
-        f"({fmt_count(p['backward_tick_flops_last'])} on the last stage, with the head) FLOPs "
-        f"per tick; bubble = the critical path less the busiest stage's own work."
+        f"{schedule.name}: the compiled count charges every lane of each of the {schedule.ticks} "
+        f"ticks ({fmt_count(p['charged_flops'])} FLOPs); priced instead from the schedule table "
+        f"in lock-step, each tick as long as its slowest stage, from the lanes' FLOPs per "
+        f"micro-batch and chunk: forward {fmt_count(p['forward_tick_flops'])} (+ "
+        f"{fmt_count(p['head_tick_flops'])} for the head on the last stage), backward "
+        f"{fmt_count(p['backward_tick_flops'])}{weight}; bubble = the critical path less the "
+        f"busiest stage's own work."
     )
     return work
 
@@ -278,29 +307,17 @@ def work_from_prediction(
     pipe = pred.pipeline
     sched = make_schedule(pred.mesh["stage"], pipe["microbatches"], pipe["name"], pipe["repeats"])
     work.schedule, work.bubble_fraction = sched.name, sched.bubble_fraction
-    # predict's 1f1b: executed = stage (4+e) m + head, critical = stage (3+e) ticks + head, e = 1
-    # under remat full; solved for the stage's forward and the head to price the table.
-    e, m = int(pred.remat == "full"), sched.microbatches
-    stage = -1.0
-    if sched.name == "1f1b":  # (3+e) ticks > (4+e) m: ticks = 2(m + p - 1)
-        stage = (pred.critical_flops - pred.matmul_flops) / ((3 + e) * sched.ticks - (4 + e) * m)
-    if stage < 0:
+    if not sched.explicit or "lanes" not in pipe:
         work.bubble_flops = sched.bubble_fraction * work.matmul_flops
         notes.append(f"{sched.name}: bubble = {sched.bubble_fraction:.1%} of the predicted FLOPs "
                      f"(the head outside the tick scan counted as if it ticked).")  # fmt: skip
         return work
-    head = pred.matmul_flops - stage * (4 + e) * m
-
-    def tick(kind: Kind, s: int) -> float:
-        if kind is Kind.BACKWARD:
-            return (3 + e) * stage + (head / m if s == sched.stages - 1 else 0.0)
-        return stage if kind is Kind.FORWARD else 0.0
-
-    critical, busiest = _lockstep(sched, tick)
+    # predict's lanes (one micro-batch through one chunk), priced as a compiled program's are.
+    critical, busiest = price(sched, Lanes.of(pipe["lanes"]))
     work.matmul_flops, work.bubble_flops = critical, critical - busiest
-    notes.append("1f1b: priced from the schedule table in lock-step (each tick as long as its "
-                 "slowest stage; the head in the last stage's backward).")  # fmt: skip
+    notes.append(f"{sched.name}: priced from the schedule table in lock-step (each tick as long "
+                 f"as its slowest stage; the head in the last stage's forward).")  # fmt: skip
     return work
 
 
-__all__ = ["SWITCH", "work_from_prediction", "work_from_report"]
+__all__ = ["HEAD_SCOPE", "LANES", "work_from_prediction", "work_from_report"]

@@ -105,6 +105,16 @@ class _Sink(list):
             self.append(Traffic(kind, axes, round(nbytes), count, what))
 
 
+def rows_over_stages(s: Any) -> bool:
+    """Whether gpipe/circular hand the stack's output to what follows it split over ``stage``
+    (each stage the head and loss on 1/p of the rows: `sharding.pipeline`), which they do where
+    a data shard's rows divide by the stages and no fsdp axis splits them further."""
+    sched, sz = s.schedule, s.sizes
+    if sched is None or sched.explicit:
+        return False
+    return sz["fsdp"] == 1 and (s.batch // sz["data"]) % sz["stage"] == 0
+
+
 def traffic(s: Any) -> list[Traffic]:
     """Every collective of one training step of setup ``s`` (a `sharding.costmodel._predict.Setup`)."""
     out = _Sink()
@@ -114,7 +124,9 @@ def traffic(s: Any) -> list[Traffic]:
     rows = s.batch // (d * f)  # sequences per device (whole step)
     act = rows * s.seq * s.cfg.d_model * s.act_bytes  # one [rows, seq, d_model] activation
     sched, n_layers = s.schedule, s.cfg.n_layers
-    one_f_one_b = sched is not None and sched.name == "1f1b"
+    explicit = sched is not None and sched.explicit  # 1f1b, interleaved, zb-h1
+    # gpipe/circular with the head on 1/p of the rows per stage: its gradients add over stage too
+    head_extra = ("stage",) if rows_over_stages(s) else ()
 
     def grad_bytes(q: Param, full_rows: bool = False) -> float:
         g = q.nbytes / math.prod(sz[a] for a in q.axes if a in ("tensor", "stage"))
@@ -137,25 +149,28 @@ def traffic(s: Any) -> list[Traffic]:
     for q in s.params:
         if q.role == "table":
             _table(out, s, q, act, rows, batch_axes, grad_bytes(q))
-            if tied(s.params) and not one_f_one_b:
-                reduce_grad(q, "gradient of the tied head")
+            if tied(s.params) and not explicit:
+                reduce_grad(q, "gradient of the tied head", extra=head_extra)
                 _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "tied head weights")
-        elif one_f_one_b and q.role != "layer":
-            pass  # reduced below, with the rest of 1f1b's head-side parameters
+        elif explicit and q.role != "layer":
+            pass  # reduced below, with the rest of the head-side parameters
         else:
-            reduce_grad(q, f"gradient reduction ({'layers' if q.role == 'layer' else q.role})")
+            extra = head_extra if q.role in ("head", "vector", "other") else ()
+            reduce_grad(q, f"gradient reduction ({'layers' if q.role == 'layer' else q.role})",
+                        extra=extra)  # fmt: skip
         if q.role == "head":
             _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "head weights")
         elif q.role == "positions":
             _fsdp_gather(out, s, q, 1, "position table", rows_used=s.seq)
         elif q.role in ("vector", "other"):
             _fsdp_gather(out, s, q, 2, "final norm")
-    if one_f_one_b:
-        # 1f1b differentiates the head at the last stage inside the scan: the cotangents of every
-        # non-layer parameter (zeros for the embedding's) are summed over stage and the batch.
+    if explicit:
+        # The explicit schedules differentiate the head at the last stage inside the scan: the
+        # cotangents of every non-layer parameter (zeros for the embedding's) are summed over
+        # stage and the batch.
         for q in s.params:
             if q.role != "layer":
-                reduce_grad(q, "1f1b head-side gradients", full_rows=True, extra=("stage",))
+                reduce_grad(q, "head-side gradients", full_rows=True, extra=("stage",))
             if q.role == "positions":
                 reduce_grad(q, "gradient of the position table")
 
@@ -213,14 +228,12 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
     remat = s.remat != "none"
     if sched is None:
         passes, per_pass_layers, a = 1, n_layers, act
-    else:  # every tick runs the stage's layers on one micro-batch (bubble ticks on zeros)
-        passes, per_pass_layers = sched.ticks, n_layers // p
+    else:  # every tick runs one chunk of the stage's layers on one micro-batch
+        passes, per_pass_layers = sched.ticks, n_layers // (p * sched.repeats)
         a = act / sched.microbatches
-        remat = s.remat == "full"  # gpipe/circular recompute a tick's stage only under full
-    if sched is not None and sched.name == "1f1b":
-        # Ticks branch between forward and backward (a VJP that recomputes the forward): a
-        # stage runs m of each; idle ticks run nothing.
-        passes, remat = sched.microbatches, True
+        remat = s.remat == "full"  # a backward recomputes a forward only under remat full
+        if sched.explicit:  # lanes under lax.cond: m forwards and backwards per chunk run
+            passes = sched.microbatches * sched.repeats
     layer_gathered = sum(
         q.size / math.prod(sz[x] for x in q.axes if x != "fsdp")
         for q in s.params
@@ -250,14 +263,27 @@ def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
     """Stage-to-stage shifts per tick and the stage reductions around the pipelined region."""
     sched = s.schedule
     mb = act / sched.microbatches  # one micro-batch's activation on this device
-    if sched.name == "1f1b":
-        # One tick forwards an activation and backwards a cotangent on every stage.
+    if sched.explicit:
+        # One tick forwards an activation and backwards a cotangent on every stage (interleaved:
+        # round a ring, its v chunks making v times the ticks).
         out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
                 "activations + cotangents to the neighbour stage")  # fmt: skip
         out.add("all-reduce", ("stage",), act, 1, "input cotangents to the embedding")
     else:
         out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
                 "activations forward, cotangents backward")  # fmt: skip
-        # The last stage's outputs are summed over stage to leave the pipeline, and the input
-        # cotangent likewise on the way back.
-        out.add("all-reduce", ("stage",), 2 * act, 2, "pipeline outputs + input cotangents")
+        if rows_over_stages(s):
+            # The last stage's outputs are scattered over stage (each its share of the rows)
+            # and their cotangents gathered back; the input cotangent is summed over stage.
+            out.add("reduce-scatter", ("stage",), act, 1, "pipeline outputs to every stage")
+            out.add("all-gather", ("stage",), act, 1, "output cotangents to the last stage")
+            out.add("all-reduce", ("stage",), act, 1, "input cotangents to the embedding")
+        else:  # the outputs summed over stage to leave the pipeline, the input cotangent too
+            out.add("all-reduce", ("stage",), 2 * act, 2, "pipeline outputs + input cotangents")
+    if sched.repeats > 1:
+        # Stage s holds chunks c*p + s: the stack, laid out over stage in layer order, is
+        # regrouped by an all-to-all each step, and its gradients by another.
+        layer = [q for q in s.params if q.role == "layer"]
+        nbytes = sum(q.nbytes / math.prod(s.sizes[a] for a in q.axes) for q in layer)
+        out.add("all-to-all", ("stage",), 2 * nbytes, 2 * len(layer),
+                "layer weights to chunks, their gradients back")  # fmt: skip

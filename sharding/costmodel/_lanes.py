@@ -1,0 +1,113 @@
+"""An explicit pipeline schedule's work per action, priced in lock-step from its table.
+
+The explicit schedules (1f1b, interleaved, zb-h1) run, per tick and stage, up to one forward (F),
+one backward (B: zb-h1's input gradient only) and one weight gradient (W, zb-h1) of one
+micro-batch through one chunk of layers, each under a `lax.cond` an idle stage skips; the last
+virtual stage's forward adds the head and the loss with their VJP. `Lanes` holds those FLOPs
+per device, read off a compiled program's HLO (`sharding.costmodel._stepwork`) or in closed form
+(`sharding.costmodel._predict`); `price` turns them into the step's critical path and the
+busiest stage's own work with `Schedule.tick_costs`, so both sides price alike.
+
+`flops` is the closed form of every strategy's matmul FLOPs (`predict`'s): 2 FLOPs per
+multiply-add; a backward twice its forward (an input and a weight gradient per matmul, the
+attention's two products twice); remat full adds a forward. zb-h1 splits the backward: B is the
+input-gradient chain (with remat full after the recomputed forward), W the weight gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sharding.costmodel._traffic import rows_over_stages, tied
+from sharding.pipeline import Schedule, TickCosts
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """Matmul FLOPs per device of one action (one micro-batch through one chunk of layers).
+
+    Attributes:
+        forward: the chunk's forward (F), the head excluded.
+        backward: its backward (B): input and weight gradients, zb-h1's input gradient only.
+        weight: zb-h1's weight gradient (W); 0 for the others.
+        head: the head and the loss with their VJP, run in the last virtual stage's forward.
+        per_tick: work every stage does every tick outside the three lanes.
+        outside: work outside the tick loop, per step.
+    """
+
+    forward: float
+    backward: float
+    weight: float = 0.0
+    head: float = 0.0
+    per_tick: float = 0.0
+    outside: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> Lanes:
+        return cls(**{k: float(v) for k, v in data.items()})
+
+
+def tick_costs(schedule: Schedule, lanes: Lanes) -> TickCosts:
+    """`Schedule.tick_costs` of the lanes, per stage: a stage's F, B and W for all its chunks
+    (a chunk costs 1/repeats), the last stage's F adding the head once per micro-batch (exact
+    for one chunk; with several, spread over the last stage's chunks)."""
+    p, r = schedule.stages, schedule.repeats
+    forward = [r * lanes.forward] * p
+    forward[-1] += lanes.head
+    return schedule.tick_costs(forward, r * lanes.backward, r * lanes.weight)
+
+
+def price(schedule: Schedule, lanes: Lanes) -> tuple[float, float]:
+    """(critical-path FLOPs, the busiest stage's own FLOPs) of one step per device: the tick
+    loop in lock-step plus what every stage does every tick and outside the loop."""
+    costs = tick_costs(schedule, lanes)
+    fixed = lanes.outside + schedule.ticks * lanes.per_tick
+    return fixed + costs.critical, fixed + costs.busiest
+
+
+def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
+    """(matmul FLOPs per device per step, those on the lock-step critical path, an explicit
+    schedule's `Lanes`) of setup ``s`` (`sharding.costmodel._predict.Setup`), ``rows`` sequences
+    per device."""
+    cfg, sz = s.cfg, s.sizes
+    t, p = sz["tensor"], sz["stage"]
+    layer_mm = sum(q.size for q in s.params if q.role == "layer" and len(q.shape) >= 3)
+    head_mm = sum(q.size for q in s.params
+                  if q.role == "head" or (q.role == "table" and tied(s.params)))  # fmt: skip
+    attn = 4 * s.seq * cfg.n_heads * cfg.head_dim  # q.k and p.v per token per layer, forward
+
+    def layer_fwd(tokens: int, layers: float, part: str = "all") -> float:
+        per = {"all": 2 * layer_mm / cfg.n_layers + attn, "mm": 2 * layer_mm / cfg.n_layers}
+        return tokens * layers * per[part] / t
+
+    head = 6 * rows * s.seq * head_mm / t
+    extra = s.remat == "full"
+    if s.schedule is None:
+        total = layer_fwd(rows * s.seq, cfg.n_layers) * (3 + extra) + head
+        return total, total, None
+    sched = s.schedule
+    m, chunk = sched.microbatches, cfg.n_layers / p / sched.repeats
+    stage = layer_fwd(rows * s.seq // m, chunk)
+    if not sched.explicit:
+        # gpipe/circular: every tick runs (bubble ticks on zeros); remat full recomputes each
+        # layer once in backward, none and dots recompute no matmul. The head follows the
+        # stack on 1/p of the rows per stage where they divide (no fsdp), else on all of them.
+        total = stage * (3 + extra) * sched.ticks + (head / p if rows_over_stages(s) else head)
+        return total, total, None
+    if sched.splits_backward:
+        # B: the input-gradient chain (each matmul's input gradient, the attention's products
+        # twice; remat full recomputes the forward first); W: each weight's gradient, once.
+        weight = layer_fwd(rows * s.seq // m, chunk, "mm")
+        backward = weight + 2 * (stage - weight) + extra * stage
+    else:
+        backward, weight = (2 + extra) * stage, 0.0
+    lanes = Lanes(stage, backward, weight, head / m)
+    critical, busiest = price(sched, lanes)
+    return busiest, critical, lanes
+
+
+__all__ = ["Lanes", "flops", "price", "tick_costs"]
