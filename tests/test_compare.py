@@ -41,7 +41,9 @@ def test_every_strategy_and_schedule_on_8_devices():
         ("fsdp_tp", "fsdp=4,tensor=2"),
         ("pp gpipe m=8", "stage=4,data=2"),
         ("pp 1f1b m=8", "stage=4,data=2"),
-        ("pp circular m=4 r=2", "stage=2,data=4"),  # 4 layers: 2 stages x 2 repeats
+        ("pp interleaved m=4 r=2", "stage=2,data=4"),  # 4 layers: 2 stages x 2 repeats
+        ("pp zb-h1 m=8", "stage=4,data=2"),
+        ("pp circular m=4 r=2", "stage=2,data=4"),
         ("pp_tp gpipe m=4", "stage=2,data=2,tensor=2"),
         ("pp_fsdp gpipe m=4", "stage=2,fsdp=4"),
     ]
@@ -55,6 +57,8 @@ def test_one_mesh_for_every_strategy():
         ("dp", "stage=2,data=4"),
         ("pp gpipe m=4", "stage=2,data=4"),
         ("pp 1f1b m=4", "stage=2,data=4"),
+        ("pp interleaved m=4 r=2", "stage=2,data=4"),
+        ("pp zb-h1 m=4", "stage=2,data=4"),
         ("pp circular m=4 r=2", "stage=2,data=4"),
     ]
 
@@ -177,7 +181,8 @@ def test_compare_cli_writes_json_and_a_png_with_the_recommendation(tmp_path, cap
     record = json.loads((out / "compare.json").read_text())
     assert record["recommendation"]["candidate"] == "dp"
     assert {c["label"] for c in record["candidates"]} == {
-        "dp", "fsdp_tp", "pp gpipe m=8", "pp 1f1b m=8", "pp circular m=4 r=2"}  # fmt: skip
+        "dp", "fsdp_tp", "pp gpipe m=8", "pp 1f1b m=8", "pp interleaved m=4 r=2", "pp zb-h1 m=8",
+        "pp circular m=4 r=2"}  # fmt: skip
     assert (out / "compare.png").stat().st_size > 10_000
     assert main(argv) == 2  # the folder holds a comparison now
     assert "pass --overwrite" in capsys.readouterr().err

@@ -62,7 +62,8 @@ def test_every_estimate_is_step_time_of_its_prediction():
         assert again.step_s == c.step_s and again.mfu == c.predicted.mfu
         assert c.collective_bytes == c.prediction.collective_bytes()
     assert {c.remat for c in ranked} == {"none", "full"}  # both policies searched
-    assert {c.layout.schedule for c in ranked if c.layout.strategy == "pp"} == {"gpipe", "1f1b"}
+    assert {c.layout.schedule for c in ranked if c.layout.strategy == "pp"} == {
+        "gpipe", "1f1b", "interleaved", "zb-h1"}  # fmt: skip
 
 
 def test_memory_fits_against_the_targets_hbm_or_the_given_budget():

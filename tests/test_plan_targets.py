@@ -25,6 +25,8 @@ CHECKED = [
     ("fsdp_tp", "fsdp=4,tensor=2", None),
     ("pp", "stage=2,data=4", "gpipe"),
     ("pp", "stage=2,data=4", "1f1b"),
+    ("pp", "stage=2,data=4", "interleaved"),
+    ("pp", "stage=2,data=4", "zb-h1"),
 ]
 
 
@@ -56,8 +58,11 @@ def test_few_layouts_keeps_the_least_and_most_split_mesh_per_strategy():
     assert ("dp_tp", "data=8,tensor=2") in chosen and ("dp_tp", "data=2,tensor=8") in chosen
     assert not any("tensor=16" in mesh for _, mesh in chosen)  # tensor kept inside a node
     pipes = [x for x in few_layouts(found, 8) if x.strategy == "pp"]
-    assert [(x.schedule, x.mesh) for x in pipes] == [("gpipe", "stage=2,data=8"),
-                                                     ("1f1b", "stage=2,data=8")]  # fmt: skip
+    # 19 layouts over the 16 compiles: the three interleaved pipelines are left out first.
+    assert [(x.schedule, x.mesh) for x in pipes] == [
+        (s, "stage=2,data=8") for s in ("gpipe", "1f1b", "zb-h1")]  # fmt: skip
+    every = [x.schedule for x in few_layouts(found, 8, limit=100) if x.strategy == "pp"]
+    assert every == ["gpipe", "1f1b", "interleaved", "zb-h1"]
     assert len(few_layouts(found, 8, limit=3)) == 3
 
 

@@ -20,9 +20,11 @@ from sharding.pipeline import PipelineSpec
 
 # The order layouts are listed in: the guides' three families, then their hybrids.
 ORDER = ("dp", "fsdp", "tp", "dp_tp", "fsdp_tp", "pp", "pp_tp", "pp_fsdp")
-# The schedules `spmdkit compare` runs each pipeline strategy under (plan: gpipe and 1f1b).
-COMPARE_SCHEDULES = {"pp": ("gpipe", "1f1b", "circular")}
-SEARCH_SCHEDULES = ("gpipe", "1f1b")
+# The schedules `spmdkit compare` runs each pipeline strategy under, and `spmdkit plan` searches
+# (interleaved where each stage's layers split into 2 chunks). Chunked ones take 2 repeats.
+COMPARE_SCHEDULES = {"pp": ("gpipe", "1f1b", "interleaved", "zb-h1", "circular")}
+SEARCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+CHUNKED = ("circular", "interleaved")
 
 
 class UnknownStrategyError(CostModelError):
@@ -166,18 +168,20 @@ def layouts(
 
     Without ``search`` (`spmdkit compare`), each strategy on the shape that suits it (later
     shapes of the same strategy marked ``fallback``), pipelines with 2 x stages micro-batches,
-    ``pp`` under gpipe, 1f1b and circular (2 repeats, as many stages as the layers allow). With
-    ``search`` (`spmdkit plan`), every factorisation of the devices the strategy's rules can use
-    (``tp`` and ``dp_tp`` one map, named by the data axis), pipelines under gpipe and 1f1b with
-    the most micro-batches of 4p, 2p, p that ``batch`` splits into. With ``mesh`` every strategy
+    ``pp`` under gpipe, 1f1b, interleaved, zb-h1 and circular (interleaved and circular with 2
+    repeats, on as many stages as the layers allow). With ``search`` (`spmdkit plan`), every
+    factorisation of the devices the strategy's rules can use (``tp`` and ``dp_tp`` one map,
+    named by the data axis), pipelines under gpipe, 1f1b, zb-h1 and (where each stage's layers
+    split in 2) interleaved with the most micro-batches of 4p, 2p, p that ``batch`` splits into. With ``mesh`` every strategy
     runs on that one mesh. A pipeline needs its stages (times repeats) to divide ``n_layers``;
     given ``batch``, compare's pipelines take 2 x stages micro-batches, or stages, whichever the
     batch splits into. With ``per_node`` (devices per node of a multi-node target) the tensor
     strategies are also tried with tensor spanning one node, the data or fsdp axis across nodes.
 
     Example:
-        >>> [x.label for x in layouts(8, 4, strategies="dp,pp")]
-        ['dp', 'pp gpipe m=8', 'pp 1f1b m=8', 'pp circular m=4 r=2']
+        >>> [x.label for x in layouts(8, 4, strategies="dp,pp")]  # doctest: +NORMALIZE_WHITESPACE
+        ['dp', 'pp gpipe m=8', 'pp 1f1b m=8', 'pp interleaved m=4 r=2', 'pp zb-h1 m=8',
+         'pp circular m=4 r=2']
         >>> len(layouts(8, 4, strategies="fsdp", search=True, batch=8))
         3
     """
@@ -265,9 +269,9 @@ def _compare_pipelines(
 ) -> list[tuple[str, int, int, dict[str, int]]]:
     out = []
     for schedule in COMPARE_SCHEDULES.get(name, ("gpipe",)):
-        repeats = 2 if schedule == "circular" else 1
+        repeats = 2 if schedule in CHUNKED else 1
         at = sizes
-        if not fixed and schedule == "circular":  # as many stages as the layers allow
+        if not fixed and repeats > 1:  # as many stages as the layers allow
             stages = next((s for s in _divisors(devices) if 1 < s <= n_layers // 2
                            and n_layers % (2 * s) == 0), 0)  # fmt: skip
             at = {"stage": stages, "data": devices // max(stages, 1), "fsdp": 1, "tensor": 1}
@@ -288,7 +292,13 @@ def _searched_pipelines(
         return []
     # The most micro-batches of 4p, 2p, p that the batch splits into (a smaller bubble).
     m = next((m for m in (4 * p, 2 * p, p) if batch % m == 0 and (batch // m) % split == 0), None)
-    return [] if m is None else [(schedule, m, 1, sizes) for schedule in SEARCH_SCHEDULES]
+    if m is None:
+        return []
+    return [
+        (schedule, m, 2 if schedule in CHUNKED else 1, sizes)
+        for schedule in SEARCH_SCHEDULES
+        if schedule not in CHUNKED or n_layers % (2 * p) == 0
+    ]
 
 
 __all__ = [

@@ -5,8 +5,8 @@ fed one of two ways:
 
 - `candidates`, for the language-model families with closed forms: every layout `layouts(...,
   search=True)` lists (each factorisation of the target's devices over stage, data, fsdp and
-  tensor that a strategy uses; pipelines under gpipe and 1f1b), under remat none and full, is
-  predicted by `predict` and priced through `work_from_prediction`. Nothing is compiled: a
+  tensor that a strategy uses; pipelines under `SEARCH_SCHEDULES`), under remat none and full,
+  is predicted by `predict` and priced through `work_from_prediction`. Nothing is compiled: a
   70B model on 512 devices takes about a second.
 - `compiled_candidates`, for any other workload: a few layouts per strategy (`few_layouts`) are
   compiled ahead of time for the target's device count from abstract shapes and priced from the
@@ -236,12 +236,15 @@ def _rank(out: list[Estimate], what: str, tgt: Target, batch: int, setting: str,
 def few_layouts(found: list[Layout], per_node: int, limit: int = MAX_COMPILES) -> list[Layout]:
     """The layouts `compiled_candidates` compiles: per strategy the least and the most split
     mesh (tensor kept within a node of ``per_node`` where possible), pipelines at their fewest
-    stages under each schedule; at most ``limit``, in `ORDER`.
+    stages under each schedule; at most ``limit``, in `ORDER`, over the limit dropping the
+    interleaved pipelines first, then zb-h1's, 1f1b's and gpipe's.
 
     Example:
-        >>> [f"{x.label} {x.mesh}" for x in few_layouts(layouts(8, 4, strategies="fsdp,pp",
-        ...                                                      search=True, batch=8), 8)]
-        ['fsdp data=4,fsdp=2', 'fsdp fsdp=8', 'pp gpipe m=2 stage=2,data=4', 'pp 1f1b m=2 stage=2,data=4']
+        >>> found = layouts(8, 4, strategies="fsdp,pp", search=True, batch=8)
+        >>> [f"{x.label} {x.mesh}" for x in few_layouts(found, 8)]  # doctest: +NORMALIZE_WHITESPACE
+        ['fsdp data=4,fsdp=2', 'fsdp fsdp=8', 'pp gpipe m=2 stage=2,data=4',
+         'pp 1f1b m=2 stage=2,data=4', 'pp interleaved m=2 r=2 stage=2,data=4',
+         'pp zb-h1 m=2 stage=2,data=4']
     """
     groups: dict[tuple[str, str | None], list[Layout]] = {}
     for x in found:  # tp and dp_tp are one strategy family in the search (tp with data > 1)
@@ -256,7 +259,9 @@ def few_layouts(found: list[Layout], per_node: int, limit: int = MAX_COMPILES) -
         least = min(inside, key=lambda x: (split(x), x.sizes["tensor"], x.sizes["stage"]))
         most = max(inside, key=lambda x: (split(x), -x.sizes["tensor"], -x.sizes["stage"]))
         out += [least] if schedule is not None or most == least else [least, most]
-    return out[:limit]
+    rank = {s: i for i, s in enumerate(("gpipe", "1f1b", "zb-h1", "interleaved"))}
+    keep = sorted(range(len(out)), key=lambda i: (rank.get(out[i].schedule, -1), i))[:limit]
+    return [out[i] for i in sorted(keep)]
 
 
 def compiled_candidates(
