@@ -56,7 +56,7 @@ class Candidate:
     allocated: int | None  # what the compiled step allocates per device
     collectives: list[dict[str, Any]]  # {kind, axes, count, bytes}, one per (kind, axes)
     collective_bytes: int
-    matmul_flops: float
+    matmul_flops: float  # executed; an explicit pipeline's busiest stage (lanes run or skip)
     compile_time_s: float
     bubble: float | None
     predicted: StepTime
@@ -157,7 +157,8 @@ def evaluate(
         state_bytes=state_bytes(program.abstract_state, program.state_shardings),
         allocated=None if report.memory is None else report.memory.allocated,
         collectives=by_axes, collective_bytes=report.collective_bytes(),
-        matmul_flops=report.matmul_flops, compile_time_s=program.compile_time_s or 0.0,
+        matmul_flops=(sw.pipeline or {}).get("busiest_device_flops", report.matmul_flops),
+        compile_time_s=program.compile_time_s or 0.0,
         bubble=report.extra.get("bubble_fraction"), predicted=step_time(sw, target),
         predicted_work=sw, batch=settings.batch, tokens_per_step=tokens, unit=work.unit,
     )  # fmt: skip
