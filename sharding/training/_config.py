@@ -69,7 +69,9 @@ class TrainConfig:
     ``batch``, ``seq`` and ``accum`` left as None take the checkpoint's values when resuming, else
     16, 64 and 1. ``resume`` is a step, ``"latest"`` (the newest checkpoint, or a fresh start when
     there is none yet), or None. ``clip=0`` turns gradient clipping off. ``mesh`` is a mesh spec
-    (None: every device along ``data``).
+    (None: every device along ``data``). ``profile`` is a folder for a `jax.profiler` trace of
+    steps ``profile_steps`` (``"A:B"`` or ``(A, B)``, inclusive); ``tensorboard`` a folder for
+    TensorBoard scalars of every step.
 
     Example:
         >>> TrainConfig(steps=10, lr=1e-3).validate()
@@ -104,6 +106,9 @@ class TrainConfig:
     repeats: int | None = None
     stage_layers: tuple[int, ...] | str | None = None
     overwrite: bool = False
+    profile: str | os.PathLike | None = None
+    profile_steps: tuple[int, int] | str | None = None
+    tensorboard: str | os.PathLike | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (paths as strings) for JSON."""
@@ -115,12 +120,43 @@ class TrainConfig:
 
         Checks ranges and choices, settings that need each other, and the output paths
         (``metrics``' folder exists and the file does not unless ``overwrite``;
-        ``checkpoint_dir`` is not a file). Creates and writes nothing.
+        ``checkpoint_dir``, ``profile`` and ``tensorboard`` are not files). Creates and writes
+        nothing.
         """
         self._check_numbers()
         self._check_choices()
         self._check_combinations()
         self._check_paths()
+        self.profile_window()
+
+    def profile_window(self) -> tuple[int, int] | None:
+        """The steps to trace, ``(first, last)`` inclusive, or None without ``profile``.
+
+        Example:
+            >>> TrainConfig(steps=5, profile="traces", profile_steps="2:3").profile_window()
+            (2, 3)
+        """
+        if self.profile is None:
+            if self.profile_steps is not None:
+                raise ConflictingSettingsError(
+                    f"--profile-steps {_window_text(self.profile_steps)} says which steps to "
+                    f"trace, but no --profile DIR is given; add --profile DIR (e.g. --profile "
+                    f"traces) or drop --profile-steps"
+                )
+            return None
+        if self.profile_steps is None:
+            raise ConflictingSettingsError(
+                f"--profile {self.profile} needs --profile-steps A:B, the first and last step to "
+                f"trace, e.g. --profile-steps {min(2, self.steps)}:{min(4, self.steps)}"
+            )
+        first, last = parse_window(self.profile_steps)
+        if last > self.steps:
+            raise InvalidSettingError(
+                f"--profile-steps {first}:{last}: the run ends at --steps {self.steps}; trace "
+                f"steps within 1..{self.steps}, e.g. --profile-steps {min(first, self.steps)}:"
+                f"{self.steps}"
+            )
+        return first, last
 
     def _check_numbers(self) -> None:
         wholes = {
@@ -173,8 +209,10 @@ class TrainConfig:
                 shown = ", ".join(str(k) for k in known if k is not None)
                 raise InvalidSettingError(f"{_flag(name)} {v!r}: choose one of {shown}")
         sl = self.stage_layers
-        if sl is not None and sl != "auto" and not (
-            isinstance(sl, tuple | list) and sl and all(_whole(n) and n >= 1 for n in sl)
+        if (
+            sl is not None
+            and sl != "auto"
+            and not (isinstance(sl, tuple | list) and sl and all(_whole(n) and n >= 1 for n in sl))
         ):
             raise InvalidSettingError(
                 f"--stage-layers {sl!r}: give the layers of each virtual stage as whole numbers "
@@ -221,15 +259,61 @@ class TrainConfig:
                     f"--metrics {path} already exists ({path.stat().st_size} bytes); pass "
                     f"--overwrite to replace it, or give another file"
                 )
-        if self.checkpoint_dir is not None:
-            path = Path(self.checkpoint_dir).absolute()
-            existing = next(p for p in (path, *path.parents) if p.exists())
-            if not existing.is_dir():
-                what = "is a file" if existing == path else f"is inside {existing}, a file"
-                raise OutputPathError(
-                    f"--checkpoint-dir {self.checkpoint_dir} {what}, not a folder; give a folder "
-                    f"(created if missing), e.g. --checkpoint-dir checkpoints/run1"
-                )
+        folders = {"checkpoint_dir": "checkpoints/run1", "profile": "traces/run1",
+                   "tensorboard": "tb/run1"}  # fmt: skip
+        for name, example in folders.items():
+            if getattr(self, name) is not None:
+                check_folder(getattr(self, name), _flag(name), example)
+
+
+def check_folder(folder: str | os.PathLike, shown: str, example: str) -> None:
+    """Raise `OutputPathError` when ``folder`` is, or lies inside, an existing file."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is inside {existing}, a file"
+        raise OutputPathError(
+            f"{shown} {os.fspath(folder)} {what}, not a folder; give a folder (created if "
+            f"missing), e.g. {shown} {example}"
+        )
+
+
+def parse_window(window: Any, call: bool = False) -> tuple[int, int]:
+    """``"A:B"``, ``"A"`` or ``(A, B)`` as ``(A, B)`` with ``1 <= A <= B``, else
+    `InvalidSettingError` naming ``--profile-steps`` (``call``: ``profile_steps(...)``)."""
+
+    def shown(a: Any, b: Any) -> str:
+        return f"profile_steps(directory, {a}, {b})" if call else f"--profile-steps {a}:{b}"
+
+    if isinstance(window, str):
+        parts = window.split(":")
+        try:
+            nums = tuple(int(x) for x in parts) if len(parts) <= 2 else ()
+        except ValueError:
+            nums = ()
+    else:
+        nums = tuple(window) if isinstance(window, tuple | list) else ()
+    if len(nums) == 1:
+        nums = (nums[0], nums[0])
+    if len(nums) != 2 or not all(_whole(n) for n in nums):
+        given = f"--profile-steps {_window_text(window)}" if not call else shown(*map(repr, window))
+        raise InvalidSettingError(
+            f"{given}: give the first and last step to trace as whole numbers, e.g. "
+            f"{shown(2, 4)} (steps 2, 3 and 4)"
+        )
+    first, last = nums
+    if first < 1 or last < first:
+        raise InvalidSettingError(
+            f"{shown(first, last)}: steps count from 1 and the last comes no earlier than the "
+            f"first (1 <= A <= B), e.g. {shown(max(first, 1), max(first, last, 1))}"
+        )
+    return first, last
+
+
+def _window_text(window: Any) -> str:
+    if isinstance(window, tuple | list) and len(window) == 2:
+        return f"{window[0]}:{window[1]}"
+    return window if isinstance(window, str) else repr(window)
 
 
 def _real(v: Any) -> bool:
