@@ -6,8 +6,8 @@
 manifest so a damaged step is an error, never a partial restore; `elastic_batch` decides how a
 resumed run splits its batch on another device count; `reshard` rewrites a checkpoint for another
 mesh and strategy ahead of time; `join_run` joins a `jax.distributed` run (`resolve_process_group`,
-`initialize`) and `launch` runs a command as N local processes of one. Every input error is a
-`TrainingError`.
+`initialize`) and `launch` runs a command as N local processes of one; `profile_steps` takes a
+`jax.profiler` trace of chosen steps of a loop. Every input error is a `TrainingError`.
 """
 
 from sharding.training._checkpoint import (
@@ -71,6 +71,7 @@ from sharding.training._launch import (
     process_commands,
 )
 from sharding.training._manifest import CheckpointError, CorruptCheckpointError
+from sharding.training._observe import ProfileError, StepProfile, profile_steps
 from sharding.training._reshard import ReshardError, ReshardResult, reshard
 from sharding.training._result import TrainResult
 
@@ -99,9 +100,11 @@ __all__ = [
     "NonFiniteLossError",
     "OutputPathError",
     "ProcessGroup",
+    "ProfileError",
     "ReshardError",
     "ReshardResult",
     "SequenceTooLongError",
+    "StepProfile",
     "TokenFile",
     "TokenFileFormatError",
     "TokenFileTooShortError",
@@ -127,6 +130,7 @@ __all__ = [
     "launch",
     "process_batch",
     "process_commands",
+    "profile_steps",
     "reshard",
     "reshard_checkpoint",
     "resolve_process_group",

@@ -7,6 +7,7 @@ created; only then are the checkpoint directory and the metrics file opened.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,6 +29,7 @@ from sharding.training._config import (
 )
 from sharding.training._data import TokenOutOfRangeError, dataset_from_arg, process_batch
 from sharding.training._errors import TrainingError
+from sharding.training._observe import ScalarLog, StepProfile, profile_steps, step_extras
 from sharding.training._result import TrainResult
 from sharding.training._resume import ModelId, plan_start, run_meta
 
@@ -130,6 +132,19 @@ def _language_model(work: Workload) -> bool:
     return work.family is not None and hasattr(work.config, "vocab_size")
 
 
+def lr_schedule(config: TrainConfig) -> Callable[[int], Any]:
+    """The learning rate of the update after ``n`` updates: warm-up, then cosine to 10%."""
+    import optax
+
+    return optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.lr,
+        max(1, min(config.warmup, config.steps - 1)),
+        max(config.steps, 2),
+        config.lr * 0.1,
+    )
+
+
 def build_train_program(work: Workload, config: TrainConfig, spec: MeshSpec, start):
     """The run's `TrainProgram` (`sharding.build_program`): AdamW (b2 0.95, weight decay 0.1) on
     a warm-up + cosine schedule (to 10% of ``lr`` at ``steps``), global-norm clipping unless
@@ -137,13 +152,7 @@ def build_train_program(work: Workload, config: TrainConfig, spec: MeshSpec, sta
     """
     import optax
 
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        config.lr,
-        max(1, min(config.warmup, config.steps - 1)),
-        max(config.steps, 2),
-        config.lr * 0.1,
-    )
+    schedule = lr_schedule(config)
     return build_program(
         work,
         config.strategy,
@@ -175,10 +184,12 @@ def fit(
 
     Everything `spmdkit train` does: checks the settings, resumes or refuses the checkpoint,
     splits the batch (``elastic``), compiles the step, trains to ``config.steps`` writing one JSON
-    line per step to ``metrics`` and checkpoints to ``checkpoint_dir``. ``on_step`` receives each
-    step's record (step, loss, grad_norm, step_time_s, tokens_per_s); ``on_note`` each message
-    about the run (resumed from, batch changed, compiling). Runs on the devices JAX has (fix the
-    count first: `sharding.setup_devices`).
+    line per step to ``metrics``, checkpoints to ``checkpoint_dir``, the same numbers as
+    TensorBoard scalars to ``tensorboard`` and a `jax.profiler` trace of ``profile_steps`` to
+    ``profile`` (`profile_steps`). ``on_step`` receives each step's record (step, loss,
+    grad_norm, lr, step_time_s, tokens_per_s, and mfu on an accelerator whose peak is known);
+    ``on_note`` each message about the run (resumed from, batch changed, compiling, traced).
+    Runs on the devices JAX has (fix the count first: `sharding.setup_devices`).
 
     Raises a `TrainingError` (or another `SpmdkitError`) before anything compiles or any file is
     written for settings it cannot take, and `NonFiniteLossError` at the first NaN or infinite
@@ -210,8 +221,9 @@ def fit(
     else:
         dataset = _SyntheticData(work, config.seed)
     program = build_train_program(work, config, spec, start)
+    window = _trace_window(config, start.step)
     # Everything is checked: from here on the run writes files.
-    ck, saved = None, []
+    ck, saved, board = None, [], None
     if config.checkpoint_dir is not None:
         ck = Checkpointer(config.checkpoint_dir, save_every=config.save_every, keep=config.keep)
     try:
@@ -225,13 +237,23 @@ def fit(
             state = program.init(config.seed)
         note(f"compiling {ident.name} {ident.size} / {config.strategy} on {spec} ...")
         program.compiled  # noqa: B018  (compile once, ahead of the loop, and time it)
+        report = program.report()
         save_meta = run_meta(ident, spec, config, start) if ck else None
-        state, history = _loop(program, dataset, state, config, start, ck, save_meta, on_step, work)
+        if config.tensorboard is not None:
+            board = ScalarLog(config.tensorboard, _settings(ident, spec, config, start), start.step)
+        prof = contextlib.nullcontext() if window is None else profile_steps(
+            config.profile, *window, on_note=note)  # fmt: skip
+        extras = step_extras(config, lr_schedule(config), report, program)
+        with prof:
+            state, history = _loop(program, dataset, state, config, start, ck, save_meta,
+                                   on_step, work, extras, prof, board)  # fmt: skip
         if ck is not None:
             ck.wait()
             saved = ck.steps()
             note(f"checkpoints in {ck.directory}: steps {saved}")
     finally:
+        if board is not None:
+            board.close()  # flushed on error too: the curves up to the failing step stay
         if ck is not None:
             ck.close()  # waits for the save in flight
     if start.step >= config.steps:
@@ -255,16 +277,42 @@ def fit(
         parameters=sum(x.size for x in jax.tree.leaves(params)),
         param_bytes=state_bytes(params, program.param_shardings),
         state_bytes=state_bytes(program.abstract_state, program.state_shardings),
-        report=program.report(),
+        report=report,
         program=program,
         state=state,
     )
 
 
-def _loop(program, dataset, state, config, start, ck, save_meta, on_step, work):
+def _trace_window(config: TrainConfig, done: int) -> tuple[int, int] | None:
+    """The steps to trace of those this run trains (after ``done``), checked before any file."""
+    window = config.profile_window()
+    if window is None or done >= config.steps:
+        return None
+    first, last = window
+    if last <= done:
+        raise InvalidSettingError(
+            f"--profile-steps {first}:{last}: the run resumes after step {done}, so it trains "
+            f"steps {done + 1}..{config.steps} only; trace steps among those, e.g. "
+            f"--profile-steps {done + 1}:{min(done + 3, config.steps)}"
+        )
+    return max(first, done + 1), last
+
+
+def _settings(ident: ModelId, spec: MeshSpec, config: TrainConfig, start) -> dict[str, Any]:
+    """What the run was told and what it resolved (mesh, batch split), for TensorBoard's text."""
+    resolved = {"model": ident.name, "size": ident.size, "mesh": str(spec), "devices": spec.size,
+                "processes": jax.process_count(), "platform": jax.devices()[0].platform,
+                "batch": start.batch, "seq": start.seq, "accum": start.accum,
+                "jax": jax.__version__}  # fmt: skip
+    return {**resolved, **{k: v for k, v in config.to_dict().items() if k not in resolved}}
+
+
+def _loop(program, dataset, state, config, start, ck, save_meta, on_step, work, extras, prof,
+          board):  # fmt: skip
     """Train from ``start.step`` to ``config.steps``; stop at the first non-finite number."""
     history: list[dict] = []
     metrics = None if config.metrics is None else open(config.metrics, "w")  # noqa: SIM115
+    traced = prof.step if isinstance(prof, StepProfile) else lambda n: contextlib.nullcontext()
     try:
         for step in range(start.step, config.steps):
             if isinstance(dataset, _SyntheticData):
@@ -272,10 +320,11 @@ def _loop(program, dataset, state, config, start, ck, save_meta, on_step, work):
             else:
                 batch = process_batch(dataset, step, start.batch, start.seq,
                                       program.batch_shardings)  # fmt: skip
-            began = time.perf_counter()
-            state, out = program.step(state, batch)
-            loss = float(out["loss"])  # blocks until the step is done
-            elapsed = time.perf_counter() - began
+            with traced(step + 1):
+                began = time.perf_counter()
+                state, out = program.step(state, batch)
+                loss = float(out["loss"])  # blocks until the step is done
+                elapsed = time.perf_counter() - began
             grad_norm = float(out["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise _diverged(step + 1, loss, grad_norm, history, config, ck)
@@ -285,11 +334,14 @@ def _loop(program, dataset, state, config, start, ck, save_meta, on_step, work):
                 "grad_norm": grad_norm,
                 "step_time_s": elapsed,
                 "tokens_per_s": start.batch * (start.seq if work.seq else 1) / elapsed,
+                **extras(step, elapsed),
             }
             history.append(record)
             if metrics is not None:
                 metrics.write(json.dumps(record, allow_nan=False) + "\n")
                 metrics.flush()
+            if board is not None:
+                board.write(record)
             if ck is not None and (ck.should_save(step + 1) or step + 1 == config.steps):
                 # Asynchronous: returns once the arrays are copied; the next step may donate them.
                 ck.save(step + 1, state, save_meta, overwrite=config.overwrite)
