@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--mesh data=2,fsdp=2,tensor=2 --strategy fsdp_tp --checkpoint-dir ck --save-every 25",
         "--mesh fsdp=8 --strategy fsdp --checkpoint-dir ck --resume --steps 100",
         "--model my_models.py:workload --strategy pp --mesh stage=2,data=4 --schedule 1f1b",
+        "--steps 20 --profile traces --profile-steps 5:7 --tensorboard tb",
     ])  # fmt: skip
     add_model_args(p)
     add_strategy_args(p)
@@ -74,6 +75,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --metrics file, or the checkpoints after the "
                    "--resume step")  # fmt: skip
+    o = p.add_argument_group("seeing inside a run")
+    o.add_argument("--profile", type=Path, metavar="DIR",
+                   help="write a jax.profiler trace of --profile-steps here (TensorBoard, Perfetto)")  # fmt: skip
+    o.add_argument("--profile-steps", metavar="A:B", help="first and last step to trace, e.g. 5:7")
+    o.add_argument("--tensorboard", type=Path, metavar="DIR",
+                   help="write each step's metrics as TensorBoard scalars here")  # fmt: skip
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", type=Path, help="save and resume checkpoints here")
     g.add_argument("--save-every", type=non_negative_int, default=0,
