@@ -33,15 +33,16 @@ HEAD_FWD = 2 * 64 * 256
 
 @cache
 def priced(schedule: str, mesh: str = "stage=2,data=4", remat: str = "none",
-           strategy: str = "pp"):  # fmt: skip
+           strategy: str = "pp", stage_layers: tuple[int, ...] | None = None):  # fmt: skip
     """(program, report, work) of llama tiny under ``schedule``, compiled once per module."""
     repeats = 2 if schedule == "interleaved" else None
     program = sharding.build_program(models.llama, strategy, mesh, batch=BATCH, seq=SEQ,
                                      schedule=schedule, microbatches=M, repeats=repeats,
-                                     remat=remat)  # fmt: skip
+                                     remat=remat, stage_layers=stage_layers)  # fmt: skip
     report = program.report()
     work = work_from_report(report, tokens=BATCH * SEQ, schedule=program.schedule,
-                            hlo_text=program.compiled.as_text(), remat=remat)  # fmt: skip
+                            hlo_text=program.compiled.as_text(), remat=remat,
+                            stage_layers=program.pipeline.stage_layers)  # fmt: skip
     return program, report, work
 
 
@@ -146,3 +147,15 @@ def test_collectives_inside_the_lanes_count_what_runs():
                    SEQ, pipeline=("1f1b", M, 1))  # fmt: skip
     assert priced_bytes < charged
     assert priced_bytes == pytest.approx(pred.collective_bytes("all-reduce", "tensor"), rel=0.1)
+
+
+def test_balanced_stages_are_priced_by_the_layers_each_stage_runs():
+    """stage_layers (1, 3): both stages hold 3 layer slots (the lanes measure 3 layers), the
+    first runs 1 of them (its spare slots are skipped), the last 3 and the head."""
+    program, _, work = priced("1f1b", stage_layers=(1, 3))
+    p = work.pipeline
+    f, b, w, h = lanes("1f1b", stage_layers=(1, 3))
+    assert (f, b, w) == (32 * 3 * LAYER_FWD, 2 * f, 0)
+    costs = program.schedule.tick_costs([f / 3, f + h], [b / 3, b])
+    assert work.matmul_flops == p["critical_flops"] == costs.critical
+    assert p["busiest_device_flops"] == M * (f + b + h)

@@ -146,8 +146,8 @@ def evaluate(
     piped = program.schedule is not None
     sw = work_from_report(report, tokens=tokens, dtype=dtype, unit=work.unit,
                           model_flops=useful_flops, schedule=program.schedule,
-                          hlo_text=program.compiled.as_text() if piped else None,
-                          remat=remat)  # fmt: skip
+                          hlo_text=program.compiled.as_text() if piped else None, remat=remat,
+                          stage_layers=program.pipeline.stage_layers if piped else None)  # fmt: skip
     by_axes = [{"kind": k, "axes": list(a or ()), "count": s.count, "bytes": s.bytes}
                for (k, a), s in report.summary(by_axes=True).items()]  # fmt: skip
     candidate = Candidate(

@@ -16,6 +16,7 @@ input-gradient chain (with remat full after the recomputed forward), W the weigh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,20 +52,33 @@ class Lanes:
         return cls(**{k: float(v) for k, v in data.items()})
 
 
-def tick_costs(schedule: Schedule, lanes: Lanes) -> TickCosts:
+def tick_costs(
+    schedule: Schedule, lanes: Lanes, stage_layers: Sequence[int] | None = None
+) -> TickCosts:
     """`Schedule.tick_costs` of the lanes, per stage: a stage's F, B and W for all its chunks
     (a chunk costs 1/repeats), the last stage's F adding the head once per micro-batch (exact
-    for one chunk; with several, spread over the last stage's chunks)."""
+    for one chunk; with several, spread over the last stage's chunks).
+
+    ``stage_layers`` (balanced stages, one count per virtual stage): the lanes were measured
+    with every stage's ``max(stage_layers)`` layer slots, of which a stage runs its own count.
+    """
     p, r = schedule.stages, schedule.repeats
-    forward = [r * lanes.forward] * p
+    share = [1.0] * p
+    if stage_layers is not None:
+        slots = r * max(stage_layers)
+        share = [sum(stage_layers[c * p + s] for c in range(r)) / slots for s in range(p)]
+    forward = [r * lanes.forward * x for x in share]
     forward[-1] += lanes.head
-    return schedule.tick_costs(forward, r * lanes.backward, r * lanes.weight)
+    return schedule.tick_costs(forward, [r * lanes.backward * x for x in share],
+                               [r * lanes.weight * x for x in share])  # fmt: skip
 
 
-def price(schedule: Schedule, lanes: Lanes) -> tuple[float, float]:
+def price(
+    schedule: Schedule, lanes: Lanes, stage_layers: Sequence[int] | None = None
+) -> tuple[float, float]:
     """(critical-path FLOPs, the busiest stage's own FLOPs) of one step per device: the tick
     loop in lock-step plus what every stage does every tick and outside the loop."""
-    costs = tick_costs(schedule, lanes)
+    costs = tick_costs(schedule, lanes, stage_layers)
     fixed = lanes.outside + schedule.ticks * lanes.per_tick
     return fixed + costs.critical, fixed + costs.busiest
 

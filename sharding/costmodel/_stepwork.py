@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sharding._units import fmt_bytes, fmt_count
@@ -136,7 +136,9 @@ def _lanes(t: _Ticks, body: str, per_tick: float, schedule: Schedule) -> tuple[L
     return lanes, share
 
 
-def _pipeline_flops(hlo_text: str, schedule: Schedule) -> tuple[dict[str, Any], dict]:
+def _pipeline_flops(
+    hlo_text: str, schedule: Schedule, stage_layers: Sequence[int] | None = None
+) -> tuple[dict[str, Any], dict]:
     """Per-tick FLOPs of a pipelined step's HLO (summed over its runs per step) and, for an
     explicit schedule, its lanes' FLOPs, the critical path and the busiest stage's own work;
     and the share of its charged runs each lane computation runs (`_lanes`)."""
@@ -159,7 +161,7 @@ def _pipeline_flops(hlo_text: str, schedule: Schedule) -> tuple[dict[str, Any], 
                             f"iterations; expected one, the tick scan")  # fmt: skip
     lanes, share = _lanes(t, loops[0][0], per_tick[0], schedule)
     lanes = Lanes(**{**lanes.to_dict(), "outside": out["outside_flops"]})
-    critical, busiest = price(schedule, lanes)
+    critical, busiest = price(schedule, lanes, stage_layers)
     out.update(lanes=lanes.to_dict(), forward_tick_flops=lanes.forward,
                backward_tick_flops=lanes.backward, weight_tick_flops=lanes.weight,
                head_tick_flops=lanes.head, critical_flops=critical,
@@ -192,6 +194,7 @@ def work_from_report(
     hlo_text: str | None = None,
     remat: str = "none",
     memory_bound_bytes: float | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> StepWork:
     """The `StepWork` of a compiled step: FLOPs, collectives and memory read from the program.
 
@@ -208,6 +211,8 @@ def work_from_report(
         remat: the remat policy (the backward's share of compute, for overlap).
         memory_bound_bytes: default: the optimizer update reading and writing the train state
             once (2 x the argument bytes).
+        stage_layers: ``program.pipeline.stage_layers`` of balanced stages (an explicit
+            schedule's stage runs its own count of its ``max(stage_layers)`` layer slots).
 
     Example:
         >>> program = build_program(llama, "dp", "data=8", batch=16, seq=32)  # doctest: +SKIP
@@ -249,7 +254,7 @@ def work_from_report(
         notes.append("Bubble: the bubble fraction of all matmul FLOPs (no HLO given: work "
                      "outside the tick scan counted as if it ticked).")  # fmt: skip
         return work
-    p, share = _pipeline_flops(hlo_text, schedule)
+    p, share = _pipeline_flops(hlo_text, schedule, stage_layers)
     work.pipeline = p
     if not schedule.explicit:
         work.bubble_flops = schedule.bubble_fraction * p["loop_flops"]
