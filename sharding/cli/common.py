@@ -12,6 +12,11 @@ from rich.console import Console
 import models
 from partition_rules import STRATEGIES
 from sharding import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
+from sharding.cli.argtypes import (  # noqa: F401  (re-exported for the commands)
+    non_negative_int,
+    positive_int,
+    stage_layers_arg,
+)
 from sharding.pipeline import SCHEDULES
 
 
@@ -108,40 +113,6 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="balanced stages (1f1b, interleaved, zb-h1): layers per virtual stage in "
                    "pipeline order, e.g. 3,5, or 'auto' to even out measured FLOPs (when unset: "
                    "equal)")  # fmt: skip
-
-
-def stage_layers_arg(text: str) -> tuple[int, ...] | str:
-    """argparse type of --stage-layers: 'auto', or comma-separated whole numbers >= 1."""
-    if text == "auto":
-        return text
-    try:
-        counts = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give layers per stage as whole numbers separated by commas, e.g. 3,5, "
-            f"or 'auto'"
-        ) from None
-    if any(n < 1 for n in counts):
-        raise argparse.ArgumentTypeError(f"{text!r}: every stage needs >= 1 layer")
-    return counts
-
-
-def _whole_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
-        return value
-
-    return parse
-
-
-# argparse types: a whole number >= 1 / >= 0 (argparse names the flag and exits 2 otherwise).
-positive_int = _whole_at_least(1)
-non_negative_int = _whole_at_least(0)
 
 
 def add_devices_arg(

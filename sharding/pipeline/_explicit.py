@@ -33,8 +33,8 @@ from jax import sharding as jshard
 
 from sharding._stack import LayerFn
 from sharding.pipeline._kinds import IDLE, Kind
+from sharding.pipeline._layers import Layers
 from sharding.pipeline._schedule import Schedule
-from sharding.pipeline._split import Split
 
 P = jshard.PartitionSpec
 
@@ -89,146 +89,6 @@ def tables(schedule: Schedule) -> dict[str, np.ndarray]:
     return out
 
 
-class _Layers:
-    """One chunk of layers as explicit VJP pieces over their stacked weights ``[Lr, ...]``.
-
-    A layer's residuals are the leaves of its `jax.vjp` pullback (a pytree whose static part is
-    the linearized program); those that are the layer's own weights are dropped and read back
-    from the weights, the rest are stacked over layers and stored per micro-batch.
-    """
-
-    def __init__(self, layer_fn: LayerFn, wrap: Callable | None, floats: list[bool]):
-        self.layer_fn, self.wrap, self.floats = layer_fn, wrap, floats
-        self.tree: Any = None
-        self.weight_of: list[int] = []  # per pullback leaf: the weight leaf it is, or -1
-
-    def _layer(self, ex: list) -> Callable:
-        def layer(w_l: Any, h: jax.Array, fex: list) -> jax.Array:
-            it = iter(fex)
-            arrays = [next(it) if f else e for e, f in zip(ex, self.floats, strict=True)]
-            return self.layer_fn(w_l, h, arrays)
-
-        return layer if self.wrap is None else self.wrap(layer)
-
-    def forward(
-        self, w: Any, x: jax.Array, fex: list, ex: list, valid: jax.Array | None = None
-    ) -> tuple[jax.Array, list]:
-        """``(y, residuals)``: the chunk's output and its residuals, each stacked ``[Lr, ...]``.
-        ``valid``: ``[Lr]`` bools, False for a balanced stage's spare layer slots (skipped)."""
-        layer = self._layer(ex)
-
-        def run(w_l: Any, h: jax.Array) -> tuple[jax.Array, list]:
-            y, pullback = jax.vjp(layer, w_l, h, fex)
-            leaves, self.tree = jax.tree.flatten(pullback)
-            weights = jax.tree.leaves(w_l)
-            self.weight_of = [next((j for j, a in enumerate(weights) if a is leaf), -1)
-                              for leaf in leaves]  # fmt: skip
-            return y, [x for x, j in zip(leaves, self.weight_of, strict=True) if j < 0]
-
-        if valid is None:
-            return lax.scan(lambda h, w_l: run(w_l, h), x, w)
-        shapes = jax.eval_shape(run, jax.tree.map(lambda a: a[0], w), x)[1]
-
-        def skip(w_l: Any, h: jax.Array) -> tuple[jax.Array, list]:
-            return h, [jnp.zeros(a.shape, a.dtype) for a in shapes]
-
-        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, list]:
-            w_l, ok = xs
-            return lax.cond(ok, _uniform(run), _uniform(skip), w_l, h)
-
-        return lax.scan(body, x, (w, valid))
-
-    def _pullback(self, w_l: Any, res: list) -> Callable:
-        weights, it = jax.tree.leaves(w_l), iter(res)
-        leaves = [weights[j] if j >= 0 else next(it) for j in self.weight_of]
-        return jax.tree.unflatten(self.tree, leaves)
-
-    def _flat_pullback(self, w_l: Any, r_l: list, g: jax.Array) -> list:
-        dw_l, dh, dfex_l = self._pullback(w_l, r_l)(g)
-        return [*jax.tree.leaves(dw_l), dh, *dfex_l]
-
-    def _split(self, w_l: Any, r_l: list, g: jax.Array) -> Split:
-        return Split(self._flat_pullback, [w_l, r_l, g], len(jax.tree.leaves(w_l)), keep={0, 1})
-
-    def backward(self, w: Any, res: list, ct: jax.Array, fex: list, *, weights: bool,
-                 valid: jax.Array | None = None) -> tuple:  # fmt: skip
-        """``(dx, dfex, dw or W's inputs)``: the whole backward, or (zb-h1's B) the input
-        gradient only, handing each layer's boundary values (`Split`) to `weight_grad`."""
-
-        def run(w_l: Any, r_l: list, g: jax.Array) -> tuple:
-            if weights:
-                dw_l, dh, dfex_l = self._pullback(w_l, r_l)(g)
-                return dh, dfex_l, dw_l
-            (dh, *dfex_l), boundary = self._split(w_l, r_l, g).input_grads([w_l, r_l, g])
-            return dh, dfex_l, boundary
-
-        def body(carry: tuple, xs: tuple) -> tuple[tuple, Any]:
-            g, dfex = carry
-            w_l, r_l, ok = xs
-            if valid is None:
-                dh, dfex_l, out = run(w_l, r_l, g)
-            else:
-                shapes = jax.eval_shape(run, w_l, r_l, g)[2]
-
-                def skip(w_l: Any, r_l: list, g: jax.Array) -> tuple:
-                    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-                    return g, [jnp.zeros_like(e) for e in fex], zeros
-
-                dh, dfex_l, out = lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, g)
-            dfex = [a + b for a, b in zip(dfex, dfex_l, strict=True)]
-            return (dh, dfex), out
-
-        zeros = [jnp.zeros_like(e) for e in fex]
-        ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
-        (dx, dfex), out = lax.scan(body, (ct, zeros), (w, res, ok), reverse=True)
-        return dx, dfex, out
-
-    def weight_grad(self, w: Any, res: list, boundary: list, like: jax.Array,
-                    valid: jax.Array | None = None) -> Any:  # fmt: skip
-        """zb-h1's W: each layer's weight gradient from its residuals and B's boundary values
-        (``like``: a value typed as the layer's output gradient, to trace the same split)."""
-
-        def run(w_l: Any, r_l: list, b_l: list) -> Any:
-            dw = self._split(w_l, r_l, like).weight_grads([w_l, r_l], b_l)
-            return jax.tree.unflatten(jax.tree.structure(w_l), dw)
-
-        def skip(w_l: Any, r_l: list, b_l: list) -> Any:
-            return jax.tree.map(jnp.zeros_like, w_l)
-
-        def body(_: None, xs: tuple) -> tuple[None, Any]:
-            w_l, r_l, b_l, ok = xs
-            if valid is None:
-                return None, run(w_l, r_l, b_l)
-            return None, lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, b_l)
-
-        ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
-        return lax.scan(body, None, (w, res, boundary, ok))[1]
-
-
-def _varying_axes(x: jax.Array) -> frozenset:
-    """The manual mesh axes ``x`` varies over (``aval.vma``; jax 0.10 keeps it in
-    ``aval.manual_axis_type.varying``)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def _uniform(fn: Callable) -> Callable:
-    """``fn`` with every floating output varying over both manual axes, so that a `lax.cond`
-    between a layer and its skip (whose zeros vary over nothing) has one output type."""
-
-    def run(*args: Any) -> Any:
-        def cast(x: jax.Array) -> jax.Array:
-            missing = tuple(a for a in ("stage", "data") if a not in _varying_axes(x))
-            return lax.pcast(x, missing, to="varying") if missing else x
-
-        return jax.tree.map(cast, fn(*args))
-
-    return run
-
-
 def explicit_pipeline(
     layer_fn: LayerFn,
     wrap: Callable | None,
@@ -267,7 +127,7 @@ def explicit_pipeline(
     def run(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> tuple[jax.Array, tuple]:
         layer_specs = jax.tree.map(lambda _: P("stage"), layers)
         micro = P(None, "data")
-        body = functools.partial(_body, _Layers(layer_fn, wrap, floats), head_loss, schedule,
+        body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, schedule,
                                  floats, valid)  # fmt: skip
         return jax.shard_map(
             body,
@@ -291,7 +151,7 @@ def explicit_pipeline(
 
 
 def _body(
-    chunk: _Layers,
+    chunk: Layers,
     head_loss: Callable,
     schedule: Schedule,
     floats: list[bool],

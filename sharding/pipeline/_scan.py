@@ -3,16 +3,12 @@ manual over ``stage`` only, so data, fsdp and tensor stay automatic inside each 
 
 The stacked layers ``[L, ...]`` (sharded over ``stage`` on the leading axis by the pp presets) are
 viewed as ``[p, L/p, ...]``: stage ``s`` owns a contiguous block of layers and no weight moves.
-The model's own code runs around the stack: the stack's call is taken over (`sharding._stack`),
-so everything before and after it, the user's loss included, is exactly the user's function. Activations move to the
-next stage with `lax.ppermute` between ticks; the tick tables come from `sharding.pipeline._schedule`.
-
-gpipe and circular differentiate through the scan; the remat policy applies to each layer, as
-without a pipeline (full: a layer keeps its input and is recomputed once; none: nothing is
-recomputed), and what follows the stack runs on the stack's output split over the batch axes and
-``stage``. 1f1b runs forward and backward in the same scan: an
-explicit per-stage VJP, cotangents shifted to the previous stage, weight gradients accumulated in
-the carry; it is wrapped in a `jax.custom_vjp` so the step differentiates it like any loss.
+Activations move to the next stage with `lax.ppermute` between ticks; the tick tables come from
+`sharding.pipeline._schedule`. This module holds the pipeline's settings (`PipelineSpec`), their
+checks, micro-batching and gpipe/circular's scan, which autodiff differentiates: the remat policy
+applies to each layer, as without a pipeline (full: a layer keeps its input and is recomputed
+once; none: nothing is recomputed). `sharding.pipeline._loss` runs the user's loss around it;
+1f1b, interleaved and zb-h1 run `sharding.pipeline._explicit` instead.
 """
 
 from __future__ import annotations
@@ -24,14 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 from jax import sharding as jshard
 
-from sharding._stack import LayerFn, StackCall, apply_layers, join_state, split_state, taken_over
-from sharding.pipeline._balance import check_stage_layers, layer_slots
+from sharding._stack import LayerFn, apply_layers
+from sharding.pipeline._balance import check_stage_layers
 from sharding.pipeline._errors import PipelineError
-from sharding.pipeline._explicit import explicit_pipeline, psum32, varying
+from sharding.pipeline._explicit import psum32, varying
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
 
 P = jshard.PartitionSpec
@@ -98,7 +93,7 @@ def from_microbatches(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _stage_view(layers: Any, stages: int, repeats: int) -> Any:
+def stage_view(layers: Any, stages: int, repeats: int) -> Any:
     """[L, ...] -> [stages, repeats, L/(stages*repeats), ...]: stage s, repeat j holds layers
     (j*stages + s)*Lr ... in circular order (for repeats=1 a free reshape of the sharded axis)."""
 
@@ -143,7 +138,7 @@ def scan_pipeline(
     sizes = dict(mesh.shape)
     scatter = rows and sizes.get("fsdp", 1) == 1 and (h_m.shape[1] // sizes["data"] * m) % p == 0
     if slots is None:
-        stage_layers, valid_tab = _stage_view(layers, p, r), None
+        stage_layers, valid_tab = stage_view(layers, p, r), None
     else:
         stage_layers = jax.tree.map(lambda w: w[jnp.asarray(slots[0])], layers)
         valid_tab = jnp.asarray(slots[1])
@@ -252,7 +247,7 @@ def _psum_scatter32(x: jax.Array, axis: str) -> jax.Array:
     return lax.psum_scatter(x.astype(jnp.float32), axis, tiled=True).astype(x.dtype)
 
 
-def _rows_over_stages(y: jax.Array, mesh: jshard.Mesh) -> jax.Array:
+def rows_over_stages(y: jax.Array, mesh: jshard.Mesh) -> jax.Array:
     """The stack's output with its rows split over the batch axes and ``stage``.
 
     What follows the stack (the user's head and loss) then runs on 1/p of each data shard's rows
@@ -266,195 +261,11 @@ def _rows_over_stages(y: jax.Array, mesh: jshard.Mesh) -> jax.Array:
     return lax.with_sharding_constraint(y, jshard.NamedSharding(mesh, spec))
 
 
-@dataclass(frozen=True)
-class Extras:
-    """The stack call's extra inputs, split into arrays (cut into micro-batches) and the rest.
-
-    Every array must have the batch as its leading axis: it is split into micro-batches with the
-    activations, so micro-batch i's rows reach the layers computing micro-batch i.
-    """
-
-    arrays: list[jax.Array]
-    rebuild: Callable[[list], tuple[tuple, dict]]
-
-    @classmethod
-    def of(cls, call: StackCall, path: str) -> Extras:
-        leaves, treedef = jax.tree.flatten((call.args, call.kwargs))
-        rows = call.h.shape[0]
-        where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
-        for i in where:
-            x = leaves[i]
-            if x.ndim == 0 or x.shape[0] != rows:
-                name = _leaf_name(call, i)
-                raise PipelineConfigError(
-                    f"the stack {path!r} is called with {name} of shape {tuple(x.shape)}, but a "
-                    f"pipeline cuts every array input of the stack into micro-batches along its "
-                    f"first axis, which must be the batch ({rows} rows, as for h "
-                    f"{tuple(call.h.shape)}); broadcast it in the model, e.g. "
-                    f"jnp.broadcast_to(x, ({rows}, *x.shape))"
-                )
-
-        def rebuild(arrays: list) -> tuple[tuple, dict]:
-            out = list(leaves)
-            for i, a in zip(where, arrays, strict=True):
-                out[i] = a
-            return jax.tree.unflatten(treedef, out)
-
-        return cls([leaves[i] for i in where], rebuild)
-
-    def layer_fn(self, call: StackCall) -> LayerFn:
-        def layer(state: Any, h: jax.Array, arrays: list) -> jax.Array:
-            args, kwargs = self.rebuild(arrays)
-            return call.apply_layer(state, h, args, kwargs)
-
-        return layer
-
-
-def _leaf_name(call: StackCall, i: int) -> str:
-    n_args = len(jax.tree.leaves(call.args))
-    if i < n_args:
-        return f"extra positional input {i + 1}"
-    names = [k for k, v in call.kwargs.items() for _ in jax.tree.leaves(v)]
-    return f"{names[i - n_args]}="
-
-
-def _only_call(calls: list[StackCall], path: str) -> StackCall:
-    if len(calls) != 1:
-        raise PipelineConfigError(
-            f"the loss called the stack {path!r} {len(calls)} times; a pipeline runs the stack "
-            f"once per micro-batch, so the model must call it exactly once per loss "
-            f"(self.{path.rsplit('/', 1)[-1]}(h, ...))"
-        )
-    return calls[0]
-
-
-def pipelined_loss(
-    loss_fn: Callable[[nnx.Module, dict], jax.Array],
-    model: nnx.Module,
-    batch: dict[str, jax.Array],
-    stack: str,
-    schedule: Schedule,
-    mesh: jshard.Mesh,
-    wrap: Callable | None,
-    gathered: Any = None,
-    stage_layers: tuple[int, ...] | None = None,
-) -> jax.Array:
-    """``loss_fn(model, batch)``, the user's function as written, with the stack at module path
-    ``stack`` pipelined over ``stage``.
-
-    ``gathered``: shardings of the parameters without the ``fsdp`` axis (pp_fsdp): each stage's
-    weights (and, in 1f1b, those the loss reads per micro-batch) are gathered once per step
-    before the ticks, their gradients reduced once after, not once per layer per tick.
-
-    gpipe and circular run the whole loss once with the stack's call replaced by the pipeline.
-    1f1b runs the part after the stack per micro-batch on the last stage and averages: exact for
-    a loss that is a mean over the batch's rows (plus terms that read no stack weight).
-    """
-    if schedule.explicit:
-        return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
-                              stage_layers)  # fmt: skip
-    m = schedule.microbatches
-
-    def run(call: StackCall) -> jax.Array:
-        extras = Extras.of(call, stack)
-        h_m = to_microbatches(call.h, m, mesh)
-        extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
-        layers = _gather(call.state, None if gathered is None else split_state(gathered, stack)[0])
-        # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
-        # head runs over all devices), not on all of them on every stage: the last stage's
-        # rows are reduce-scattered over the stages rather than all-reduced to each.
-        slots = None if stage_layers is None else layer_slots(stage_layers, schedule.stages,
-                                                              schedule.repeats)  # fmt: skip
-        out = scan_pipeline(extras.layer_fn(call), layers, h_m, extras_m, mesh=mesh,
-                            schedule=schedule, wrap=wrap, rows=True, slots=slots)  # fmt: skip
-        return _rows_over_stages(out, mesh)
-
-    with taken_over(model, stack, run) as calls:
-        value = loss_fn(model, batch)
-    _only_call(calls, stack)
-    return value
-
-
-def _loss_explicit(
-    loss_fn: Callable[[nnx.Module, dict], jax.Array],
-    model: nnx.Module,
-    batch: dict[str, jax.Array],
-    stack: str,
-    schedule: Schedule,
-    mesh: jshard.Mesh,
-    wrap: Callable | None,
-    gathered: Any = None,
-    stage_layers: tuple[int, ...] | None = None,
-) -> jax.Array:
-    p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
-    graphdef, state = nnx.split(model)
-    # The stack's input: the user's loss traced with the stack passing its input through. Only
-    # the part before the stack is used (XLA drops the rest as dead code).
-    with taken_over(model, stack, lambda call: call.h) as calls:
-        loss_fn(model, batch)
-    call = _only_call(calls, stack)
-    extras = Extras.of(call, stack)
-    _, rest = split_state(state, stack)
-    whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
-    rest = _gather(rest, whole_rest)
-    layers, valid = _gather(call.state, whole_stack), None
-    if stage_layers is None:
-        layers = _stage_view(layers, p, r)
-    else:  # stage s, chunk c holds layer_slots' index[s, c]; spare slots are skipped
-        index, valid = layer_slots(stage_layers, p, r)
-        layers = jax.tree.map(lambda w: w[jnp.asarray(index)], layers)
-    # After the stack nothing may read a layer weight: the last stage holds only its own.
-    layer_shapes = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype), call.state)
-
-    def head_loss(rest: Any, y: jax.Array, batch_i: dict, stack_state: Any = layer_shapes):
-        model_i = nnx.merge(graphdef, join_state(stack_state, rest, stack))
-        with taken_over(model_i, stack, lambda _: y) as calls:
-            value = loss_fn(model_i, batch_i)
-        _only_call(calls, stack)
-        return value
-
-    h_m = to_microbatches(call.h, m, mesh)
-    batch_m = {k: to_microbatches(v, m, mesh) for k, v in batch.items()}
-    y_i = jax.ShapeDtypeStruct(h_m.shape[1:], h_m.dtype)
-    b_i = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch_m.items()}
-    if reads_inputs(lambda st, r, y, b: head_loss(r, y, b, st), (call.state, rest, y_i, b_i)):
-        raise PipelineConfigError(
-            f"the loss reads weights of the stack {stack!r} outside the stack's call (a penalty "
-            f"on the layer weights, say); {schedule.name} runs what follows the stack per "
-            f"micro-batch on the last stage, which holds only its own layers. Put the penalty in "
-            f"the optimizer (optax.add_decayed_weights) or use schedule 'gpipe' or 'circular', "
-            f"which run the loss exactly as written"
-        )
-    extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
-    return explicit_pipeline(extras.layer_fn(call), wrap, head_loss, layers, rest, h_m,
-                             extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid)  # fmt: skip
-
-
-def _gather(state: Any, shardings: Any) -> Any:
-    """``state`` constrained to ``shardings`` (None, or a tree of another shape: as it is)."""
-    if shardings is None or jax.tree.structure(state) != jax.tree.structure(shardings):
-        return state
-    return jax.tree.map(lax.with_sharding_constraint, state, shardings)
-
-
-def reads_inputs(fn: Callable, args: tuple) -> bool:
-    """Whether ``fn(*args)`` reads any array of ``args[0]`` (traced abstractly, nothing runs)."""
-    closed = jax.make_jaxpr(fn)(*args)
-    first = set(closed.jaxpr.invars[: len(jax.tree.leaves(args[0]))])
-    used = {v for eqn in closed.jaxpr.eqns for v in eqn.invars if not hasattr(v, "val")}
-    used |= {v for v in closed.jaxpr.outvars if not hasattr(v, "val")}
-    return bool(first & used)
-
-
 __all__ = [
-    "Extras",
     "PipelineConfigError",
     "PipelineSpec",
-    "apply_layers",
     "check_pipeline",
     "from_microbatches",
-    "pipelined_loss",
-    "reads_inputs",
     "scan_pipeline",
     "to_microbatches",
 ]

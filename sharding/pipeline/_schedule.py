@@ -36,11 +36,11 @@ from functools import cached_property
 from typing import Any
 
 from rich.table import Table
-from rich.text import Text
 
 from sharding.pipeline import _tables
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._kinds import Action, Cell, Kind
+from sharding.pipeline._render import labels, render, rich_table
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
 EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # the table holds the backward too
@@ -245,33 +245,17 @@ class Schedule:
             "bubble_fraction": self.bubble_fraction,
             "peak_activations": list(self.peak_activations),
             "buffer_slots": self.buffer_slots,
-            "table": _labels(self.table, r),
-            "backward_table": _labels(self.backward_table, r),
-            "activation_in": _labels(self.activation_in, r),
-            "cotangent_in": _labels(self.cotangent_in, r),
+            "table": labels(self.table, r),
+            "backward_table": labels(self.backward_table, r),
+            "activation_in": labels(self.activation_in, r),
+            "cotangent_in": labels(self.cotangent_in, r),
         }
 
     def __str__(self) -> str:
         return render(self)
 
     def __rich__(self) -> Table:
-        head, rows, split = _diagram(self)
-        table = Table(title=head, title_justify="left", box=None, pad_edge=False)
-        table.add_column("tick")
-        for k in range(len(rows[0])):
-            t = k if split is None or k < split else k - split
-            table.add_column(("| " if k == split else "") + str(t), justify="right")
-        colours = {Kind.FORWARD: "bold cyan", Kind.BACKWARD: "bold magenta",
-                   Kind.WEIGHT: "bold green"}  # fmt: skip
-        for s, row in enumerate(rows):
-            cells = []
-            for cell in row:
-                text = Text()
-                for a in cell:
-                    text.append(a.label(self.repeats > 1), style=colours[a.kind])
-                cells.append(text if cell else Text(".", style="dim"))
-            table.add_row(f"stage {s}", *cells)
-        return table
+        return rich_table(self)
 
 
 def make_schedule(stages: int, microbatches: int, schedule: str, repeats: int = 1) -> Schedule:
@@ -383,47 +367,6 @@ def check_layers(n_layers: int, stages: int, repeats: int = 1) -> int:
         f"{below + parts} above. Valid (stages, repeats) for n_layers={n_layers}: "
         f"{', '.join(map(str, pairs)) or 'none, one layer is no pipeline'}"
     )
-
-
-def render(schedule: Schedule) -> str:
-    """The pipeline diagram: one row per stage, one column per tick, cells ``F3``, ``F3B0``, ``.``.
-
-    gpipe and circular show the forward scan, ``|``, then autodiff's reversed backward scan.
-    """
-    head, rows, split = _diagram(schedule)
-    ticks = [str(k if split is None or k < split else k - split) for k in range(len(rows[0]))]
-    labels = _labels(rows, schedule.repeats > 1)
-    width = max(len(c) for row in [ticks, *labels] for c in row)
-    left = len(f"stage {schedule.stages - 1}")
-
-    def line(name: str, cells: list[str]) -> str:
-        cols = [c.rjust(width) for c in cells]
-        if split is not None:
-            cols.insert(split, "|")
-        return f"{name.ljust(left)} {' '.join(cols)}".rstrip()
-
-    body = [line(f"stage {s}", row) for s, row in enumerate(labels)]
-    return "\n".join([head, line("tick", ticks), *body])
-
-
-def _diagram(schedule: Schedule) -> tuple[str, list[list[Cell]], int | None]:
-    """Title, per-stage rows over the whole step, and the column where the backward scan starts."""
-    s, split = schedule, (None if schedule.explicit else schedule.ticks)
-    head = f"{s.name}: stages={s.stages} microbatches={s.microbatches}"
-    head += f" repeats={s.repeats}" if s.repeats > 1 else ""
-    head += f" ticks={s.ticks} bubble={s.bubble_fraction:.1%}"
-    head += " (forward scan | backward scan: autodiff, reversed)" if split else ""
-    grid = s.table + s.backward_table
-    return head, [[row[k] for row in grid] for k in range(s.stages)], split
-
-
-def _labels(grid: Any, repeats: bool) -> list[list[str]]:
-    def label(cell: Any) -> str:
-        if isinstance(cell, Action):
-            return cell.label(repeats)
-        return "".join(a.label(repeats) for a in cell) or "."
-
-    return [[label(c) for c in row] for row in grid]
 
 
 def _max_overlap(spans: list[tuple[int, int]]) -> int:

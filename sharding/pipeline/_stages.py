@@ -28,6 +28,8 @@ from sharding._stack import apply_layers, find_stack, layer_class, n_layers, tak
 from sharding._units import fmt_bytes, fmt_count
 from sharding.inspection import count_flops
 from sharding.pipeline._balance import balance_layers, check_stage_layers, layer_slots
+from sharding.pipeline._layers import Layers
+from sharding.pipeline._loss import Extras
 from sharding.pipeline._scan import PipelineSpec, scan_pipeline, to_microbatches
 from sharding.pipeline._schedule import EXPLICIT, check_layers
 
@@ -200,9 +202,8 @@ def stage_work(
         >>> stage_work(work, 2, 2, 32)["forward"]  # doctest: +SKIP
         10485760
     """
-    from sharding._shardings import remat_wrapper
-    from sharding.pipeline._explicit import _Layers
-    from sharding.pipeline._scan import Extras
+
+    from sharding._shardings import remat_wrapper  # it imports this package
 
     model = nnx.eval_shape(lambda: workload.model(nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
@@ -229,7 +230,7 @@ def stage_work(
     def pieces(call: Any) -> tuple[Any, Any, list, list]:
         extras = Extras.of(call, path)
         floats = [bool(jnp.issubdtype(x.dtype, jnp.inexact)) for x in extras.arrays]
-        chunk = _Layers(extras.layer_fn(call), remat_wrapper(remat), floats)
+        chunk = Layers(extras.layer_fn(call), remat_wrapper(remat), floats)
         w = jax.tree.map(lambda a: a[:layers], call.state)
         fex = [x for x, f in zip(extras.arrays, floats, strict=True) if f]
         return chunk, w, fex, extras.arrays
