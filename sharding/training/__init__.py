@@ -1,7 +1,8 @@
 """The training runtime: the loop (`fit`), data, checkpoints (orbax), elastic restarts, processes.
 
 `fit(family, TrainConfig(...))` is everything `spmdkit train` does, returning a `TrainResult`;
-`dataset_from_arg` / `process_batch` feed a step the rows this process's devices hold;
+`dataset_from_arg` / `process_batch` feed a step the rows this process's devices hold (from the
+embedded text, a token file, or through Grain a local Hugging Face dataset: `GrainDataset`);
 `Checkpointer` saves and restores the whole train state into any mesh's shardings, with a CRC
 manifest so a damaged step is an error, never a partial restore; `elastic_batch` decides how a
 resumed run splits its batch on another device count; `reshard` rewrites a checkpoint for another
@@ -37,7 +38,6 @@ from sharding.training._data import (
     TokenFileTooShortError,
     TokenOutOfRangeError,
     VocabTooSmallError,
-    dataset_from_arg,
     decode,
     encode,
     process_batch,
@@ -63,6 +63,13 @@ from sharding.training._elastic import (
 )
 from sharding.training._errors import TrainingError
 from sharding.training._fit import NonFiniteLossError, fit
+from sharding.training._grain import (
+    DatasetMismatchError,
+    DatasetTooSmallError,
+    GrainDataset,
+    dataset_from_arg,
+)
+from sharding.training._hfdata import DatasetFormatError, TextColumnError, TokenizerError
 from sharding.training._launch import (
     LAUNCH_GRACE_S,
     LaunchError,
@@ -90,9 +97,13 @@ __all__ = [
     "CorruptCheckpointError",
     "DataError",
     "DataFileNotFoundError",
+    "DatasetFormatError",
+    "DatasetMismatchError",
+    "DatasetTooSmallError",
     "DistributedConfigError",
     "DistributedInitError",
     "ElasticPolicyError",
+    "GrainDataset",
     "InvalidSettingError",
     "JoinedRun",
     "LaunchError",
@@ -105,10 +116,12 @@ __all__ = [
     "ReshardResult",
     "SequenceTooLongError",
     "StepProfile",
+    "TextColumnError",
     "TokenFile",
     "TokenFileFormatError",
     "TokenFileTooShortError",
     "TokenOutOfRangeError",
+    "TokenizerError",
     "TrainConfig",
     "TrainConfigError",
     "TrainResult",

@@ -71,7 +71,9 @@ class TrainConfig:
     there is none yet), or None. ``clip=0`` turns gradient clipping off. ``mesh`` is a mesh spec
     (None: every device along ``data``). ``profile`` is a folder for a `jax.profiler` trace of
     steps ``profile_steps`` (``"A:B"`` or ``(A, B)``, inclusive); ``tensorboard`` a folder for
-    TensorBoard scalars of every step.
+    TensorBoard scalars of every step. ``data`` is a token file, ``"hf:PATH"`` (a local Hugging
+    Face dataset, tokenized with ``tokenizer`` from column ``text_column``, default ``text``) or
+    ``"grain:FILE"``; None is the embedded arithmetic text.
 
     Example:
         >>> TrainConfig(steps=10, lr=1e-3).validate()
@@ -94,6 +96,8 @@ class TrainConfig:
     clip: float = 1.0
     data: str | os.PathLike | None = None
     data_dtype: str | None = None
+    tokenizer: str | os.PathLike | None = None
+    text_column: str | None = None
     seed: int = 0
     metrics: str | os.PathLike | None = None
     checkpoint_dir: str | os.PathLike | None = None
@@ -232,6 +236,23 @@ class TrainConfig:
             raise ConflictingSettingsError(
                 f"--elastic {self.elastic} decides how a resumed run splits its batch, but "
                 f"--resume is not given; add --resume [STEP], or drop --elastic"
+            )
+        hf = str(self.data).startswith("hf:")
+        if hf and self.tokenizer is None:
+            raise ConflictingSettingsError(
+                f"--data {self.data} holds text, which needs --tokenizer PATH (a tokenizer.json "
+                f"or its folder, whose vocabulary fits the model)"
+            )
+        given = [_flag(k) for k in ("tokenizer", "text_column") if getattr(self, k) is not None]
+        if given and not hf:
+            raise ConflictingSettingsError(
+                f"{' and '.join(given)} tokenize a Hugging Face dataset, but --data is "
+                f"{self.data or 'not given'}; pass --data hf:PATH, or drop {' and '.join(given)}"
+            )
+        if self.data_dtype is not None and hf:
+            raise ConflictingSettingsError(
+                f"--data-dtype {self.data_dtype} says how a token file is stored, but --data "
+                f"{self.data} is text tokenized by --tokenizer; drop --data-dtype"
             )
         if self.data_dtype is not None and self.data is None:
             raise ConflictingSettingsError(

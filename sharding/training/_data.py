@@ -7,7 +7,8 @@ exactly the batches an uninterrupted run would have seen (no iterator state to c
 
 A dataset is anything with ``vocab_size``, ``check(seq_len)`` and
 ``rows(step, start, stop, seq_len) -> int32[stop - start, seq_len + 1]``; ``batch`` is
-``rows(step, 0, batch_size, seq_len)``.
+``rows(step, 0, batch_size, seq_len)``. The Grain-backed datasets (``hf:PATH``, ``grain:FILE``)
+and `dataset_from_arg`, which turns a ``--data`` value into its dataset, are in ``_grain``.
 """
 
 from __future__ import annotations
@@ -339,35 +340,3 @@ def process_batch(
         k: jax.make_array_from_callback(shape, s, functools.partial(shard, k))
         for k, s in shardings.items()
     }
-
-
-def dataset_from_arg(
-    path: str | os.PathLike | None,
-    vocab_size: int,
-    seed: int = 0,
-    *,
-    seq_len: int | None = None,
-    dtype=None,
-) -> ArithmeticText | TokenFile:
-    """The dataset a ``--data`` argument names: the embedded arithmetic text when ``None``.
-
-    A token file is validated against the model's ``vocab_size`` (and ``seq_len`` if given) now,
-    before anything compiles; ``dtype`` is ``--data-dtype`` (None: from the file's suffix).
-
-    Example:
-        >>> dataset_from_arg(None, vocab_size=256, seed=1)
-        ArithmeticText(seed=1)
-    """
-    if path is None:
-        if vocab_size < BYTE_VOCAB:
-            raise VocabTooSmallError(
-                f"the embedded arithmetic text uses byte tokens (ids 0..255), but the model's "
-                f"vocab_size={vocab_size}; use vocab_size >= {BYTE_VOCAB} (another --model or "
-                f"--size) or pass --data with a token file whose ids fit"
-            )
-        data: ArithmeticText | TokenFile = ArithmeticText(seed=seed)
-    else:
-        data = TokenFile(path, dtype=dtype, vocab_size=vocab_size, seed=seed)
-    if seq_len is not None:
-        data.check(seq_len)
-    return data

@@ -27,11 +27,12 @@ from sharding.training._config import (
     SequenceTooLongError,
     TrainConfig,
 )
-from sharding.training._data import TokenOutOfRangeError, dataset_from_arg, process_batch
+from sharding.training._data import TokenOutOfRangeError, process_batch
 from sharding.training._errors import TrainingError
+from sharding.training._grain import dataset_from_arg
 from sharding.training._observe import ScalarLog, StepProfile, profile_steps, step_extras
 from sharding.training._result import TrainResult
-from sharding.training._resume import ModelId, plan_start, run_meta
+from sharding.training._resume import ModelId, meta_at, plan_start, run_meta
 
 
 class NonFiniteLossError(TrainingError):
@@ -78,11 +79,12 @@ def _check_seq(family: Any, cfg: Any, seq: int) -> None:
         )
 
 
-def _dataset(family: Any, cfg: Any, config: TrainConfig, seq: int) -> Any:
+def _dataset(family: Any, cfg: Any, config: TrainConfig, start) -> Any:
+    """The run's dataset; a Grain dataset continues at the checkpoint's position."""
     try:
-        return dataset_from_arg(
-            config.data, cfg.vocab_size, config.seed, seq_len=seq, dtype=config.data_dtype
-        )
+        data = dataset_from_arg(config.data, cfg.vocab_size, config.seed, seq_len=start.seq,
+                                dtype=config.data_dtype, tokenizer=config.tokenizer,
+                                text_column=config.text_column, global_batch=start.batch)  # fmt: skip
     except TokenOutOfRangeError as e:
         need = e.token_id + 1
         raise TokenOutOfRangeError(
@@ -90,6 +92,9 @@ def _dataset(family: Any, cfg: Any, config: TrainConfig, seq: int) -> Any:
             f"{_sizes_with(family, 'vocab_size', need)} (--size NAME)",
             token_id=e.token_id,
         ) from None
+    if start.resume is not None and hasattr(data, "resumed"):
+        data = data.resumed(start.resume.step, start.resume.data)
+    return data
 
 
 class _SyntheticData:
@@ -217,7 +222,7 @@ def fit(
     start = plan_start(ident, spec, config, note)
     if _language_model(work):
         _check_seq(work.family, work.config, start.seq)
-        dataset = _dataset(work.family, work.config, config, start.seq)
+        dataset = _dataset(work.family, work.config, config, start)
     else:
         dataset = _SyntheticData(work, config.seed)
     program = build_train_program(work, config, spec, start)
@@ -344,7 +349,8 @@ def _loop(program, dataset, state, config, start, ck, save_meta, on_step, work, 
                 board.write(record)
             if ck is not None and (ck.should_save(step + 1) or step + 1 == config.steps):
                 # Asynchronous: returns once the arrays are copied; the next step may donate them.
-                ck.save(step + 1, state, save_meta, overwrite=config.overwrite)
+                meta = meta_at(save_meta, dataset, step + 1)  # with a Grain dataset's position
+                ck.save(step + 1, state, meta, overwrite=config.overwrite)
             if on_step is not None:
                 on_step(record)
     finally:

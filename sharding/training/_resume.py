@@ -136,7 +136,8 @@ def _check_same_run(
     want = {"model": (meta.family, model.name), "size": (meta.size, model.size),
             "seq": (meta.seq_len, config.seq), "seed": (meta.data.get("seed"), config.seed)}  # fmt: skip
     bad = [f"--{k} {a} (given: {b})" for k, (a, b) in want.items() if b is not None and a != b]
-    if meta.data.get("path") != _path(config.data):
+    grain = "position" in meta.data and str(config.data).startswith(("hf:", "grain:"))
+    if meta.data.get("path") != _path(config.data) and not grain:  # Grain: by fingerprint
         saved, now = meta.data.get("path") or "none", _path(config.data) or "none"
         bad.append(f"--data {saved} (given: {now}; 'none' is the embedded arithmetic text)")
     elif config.data is not None and meta.data.get("dtype", config.data_dtype) != config.data_dtype:
@@ -155,6 +156,8 @@ def run_meta(model: ModelId, spec: MeshSpec, config: TrainConfig, start: RunStar
     data: dict[str, Any] = {"path": _path(config.data), "seed": config.seed}
     if config.data is not None:
         data["dtype"] = config.data_dtype
+    if config.tokenizer is not None:
+        data["tokenizer"] = _path(config.tokenizer)
     return CheckpointMeta(
         family=model.name,
         size=model.size,
@@ -173,3 +176,11 @@ def run_meta(model: ModelId, spec: MeshSpec, config: TrainConfig, start: RunStar
             "repeats": config.repeats,
         },
     )
+
+
+def meta_at(meta: CheckpointMeta, dataset: Any, step: int) -> CheckpointMeta:
+    """``meta`` with the data position after ``step`` steps of a dataset that has one (a Grain
+    dataset: epoch, index within it, fingerprint of dataset + tokenizer + seq + seed)."""
+    if not hasattr(dataset, "position"):
+        return meta
+    return dataclasses.replace(meta, data={**meta.data, **dataset.position(step)})
