@@ -4,6 +4,7 @@ names the flag and exits 2)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def stage_layers_arg(text: str) -> tuple[int, ...] | str:
@@ -38,3 +39,20 @@ def _whole_at_least(low: int):
 # argparse types: a whole number >= 1 / >= 0 (argparse names the flag and exits 2 otherwise).
 positive_int = _whole_at_least(1)
 non_negative_int = _whole_at_least(0)
+
+
+def resume_step(text: str) -> int | str:
+    """argparse type of --resume: a step >= 1, or "latest" (argparse converts the const too)."""
+    return text if text == "latest" else positive_int(text)
+
+
+def data_arg(text: str) -> str | Path:
+    """argparse type of --data: ``hf:PATH`` and ``grain:FILE`` as given, else a token file."""
+    if text.startswith(("hf:", "grain:")):
+        kind, _, path = text.partition(":")
+        if not path:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give a path after {kind}:, e.g. {kind}:data"
+            )
+        return text
+    return Path(text)

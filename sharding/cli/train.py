@@ -1,6 +1,7 @@
 """`spmdkit train`: train a language model under any strategy, with a live display and metrics.
 
-With no --data it trains on the embedded arithmetic text (no download). On a CPU-only host the
+With no --data it trains on the embedded arithmetic text (no download); --data hf:PATH
+--tokenizer PATH reads a Hugging Face dataset on local disk through Grain. On a CPU-only host the
 mesh's devices are simulated (8 when no mesh is given). Exit status 1 when the run diverges (a
 NaN or infinite loss stops it; the last good checkpoint is kept). The loop is
 `sharding.training.fit`.
@@ -13,6 +14,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from sharding.cli.argtypes import data_arg, resume_step
 from sharding.cli.common import (
     add_command,
     add_devices_arg,
@@ -38,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--mesh fsdp=8 --strategy fsdp --checkpoint-dir ck --resume --steps 100",
         "--model my_models.py:workload --strategy pp --mesh stage=2,data=4 --schedule 1f1b",
         "--steps 20 --profile traces --profile-steps 5:7 --tensorboard tb",
+        "--data hf:corpus --tokenizer tokenizer.json --seq 128 --checkpoint-dir ck --save-every 50",
     ])  # fmt: skip
     add_model_args(p)
     add_strategy_args(p)
@@ -60,17 +63,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="gradient accumulation micro-steps (when unset: 1, or the checkpoint's)")  # fmt: skip
     p.add_argument("--clip", type=float, default=1.0,
                    help="clip gradients to this global norm; 0 turns clipping off")  # fmt: skip
-    p.add_argument("--data", type=Path,
-                   help="flat binary token file: raw little-endian ids, no header")  # fmt: skip
-    p.add_argument("--data-dtype", choices=("uint16", "uint32"),
-                   help="how --data stores its ids; required unless the file is named .u16 "
-                   "or .u32")  # fmt: skip
-    p.add_argument(
-        "--seed",
-        type=non_negative_int,
-        default=0,
-        help="initialisation and data seed (default: %(default)s)",
-    )
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="initialisation and data seed (default: %(default)s)")  # fmt: skip
+    d = p.add_argument_group("data (default: the embedded arithmetic text)")
+    d.add_argument("--data", type=data_arg, metavar="FILE|hf:PATH|grain:FILE",
+                   help="a flat token file (raw little-endian ids, no header; random windows), "
+                   "hf:PATH a Hugging Face dataset on local disk (saved, or a folder of "
+                   "parquet/json/txt files), grain:FILE a token file read in rows through Grain")  # fmt: skip
+    d.add_argument("--data-dtype", choices=("uint16", "uint32"),
+                   help="how a token file stores its ids; required unless it is named .u16/.u32")  # fmt: skip
+    d.add_argument("--tokenizer", type=Path, metavar="PATH",
+                   help="tokenizer.json (or its folder) that tokenizes --data hf:PATH")  # fmt: skip
+    d.add_argument("--text-column", metavar="NAME", help="the column of documents (default: text)")
     p.add_argument("--metrics", type=Path, help="write one JSON object per step here (JSONL)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --metrics file, or the checkpoints after the "
@@ -86,18 +90,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--save-every", type=non_negative_int, default=0,
                    help="save every N steps, and always at the last step (default: %(default)s)")  # fmt: skip
     g.add_argument("--keep", type=positive_int, default=3, help="keep the newest K checkpoints")
-    g.add_argument("--resume", nargs="?", const="latest", type=_step, metavar="STEP",
+    g.add_argument("--resume", nargs="?", const="latest", type=resume_step, metavar="STEP",
                    help="resume from STEP, or without STEP (or 'latest') from the latest "
                    "checkpoint, starting fresh when there is none yet")  # fmt: skip
     g.add_argument("--elastic", choices=ELASTIC_POLICIES,
                    help="resuming where another number of devices splits the batch: keep the "
                    "global batch (more accumulation) or shrink it with the devices")  # fmt: skip
     p.set_defaults(run=run)
-
-
-def _step(text: str) -> int | str:
-    """argparse type of --resume: a step >= 1, or "latest" (argparse converts the const too)."""
-    return text if text == "latest" else positive_int(text)
 
 
 def run(args: argparse.Namespace) -> int:
