@@ -118,6 +118,8 @@ class Costs:
     backward: int
     head_forward: int
     head_backward: int
+    head_input_grad: int
+    head_weight_grad: int
     compile_s: float
 
     def per_stage(self, schedule: Any) -> tuple[list[float], list[float], list[float]]:
@@ -132,7 +134,10 @@ class Costs:
             f, b, w = [self.forward] * p, [self.input_grad] * p, [self.weight_grad] * p
         else:
             f, b, w = [self.forward] * p, [self.backward] * p, [0] * p
-        if schedule.explicit:
+        if schedule.splits_backward:  # zb-h1: the head's weight gradient waits for W too
+            f[-1] += self.head_forward + self.head_input_grad
+            w[-1] += self.head_weight_grad
+        elif schedule.explicit:
             f[-1] += self.head_forward + self.head_backward
         else:
             f[-1] += self.head_forward
@@ -153,7 +158,8 @@ def stage_costs(p: int, args: Any) -> Costs:
     n = check_layers(cfg.n_layers, p)
     w = stage_work(Workload.from_family(llama, cfg), n, args.rows, args.seq)
     return Costs(p, n, w["forward"], w["input_grad"], w["weight_grad"], w["backward"],
-                 w["head_forward"], w["head_backward"], time.perf_counter() - started)  # fmt: skip
+                 w["head_forward"], w["head_backward"], w["head_input_grad"],
+                 w["head_weight_grad"], time.perf_counter() - started)  # fmt: skip
 
 
 def price(p: int, m: int, schedule: str, costs: Costs, args: Any) -> dict[str, Any]:

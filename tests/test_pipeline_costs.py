@@ -47,12 +47,13 @@ def priced(schedule: str, mesh: str = "stage=2,data=4", remat: str = "none",
 
 
 def lanes(schedule: str, **kw) -> tuple[float, float, float, float]:
+    """(F, B, W, the head's work in all): zb-h1 runs the head's weight gradient in W."""
     p = priced(schedule, **kw)[2].pipeline
     return (
         p["forward_tick_flops"],
         p["backward_tick_flops"],
         p["weight_tick_flops"],
-        p["head_tick_flops"],
+        p["head_tick_flops"] + p["lanes"]["head_weight"],
     )
 
 
@@ -78,6 +79,8 @@ def test_no_forward_is_recomputed_without_remat(schedule, remat, layers):
     assert b + w == 2 * f + recomputed
     if schedule == "zb-h1":  # W: each weight's gradient once; B: the input-gradient chain
         assert w == 32 * layers * WEIGHT_MM
+        head_w = priced(schedule, remat=remat)[2].pipeline["lanes"]["head_weight"]
+        assert head_w == 32 * HEAD_FWD  # the head's weight gradient, in the last stage's W
         assert b == 32 * layers * (WEIGHT_MM + 2 * ATTENTION) + recomputed
     else:
         assert w == 0
@@ -117,7 +120,9 @@ def test_the_critical_path_is_tick_costs_of_the_measured_lanes(schedule):
     sched, p = program.schedule, work.pipeline
     f, b, w, h = lanes(schedule)
     r, n = sched.repeats, sched.stages
-    costs = sched.tick_costs([r * f] * (n - 1) + [r * f + h], r * b, r * w)
+    head_w = p["lanes"]["head_weight"]  # zb-h1: the head's weight gradient runs in W
+    costs = sched.tick_costs([r * f] * (n - 1) + [r * f + h - head_w], r * b,
+                             [r * w] * (n - 1) + [r * w + head_w])  # fmt: skip
     fixed = p["outside_flops"] + sched.ticks * p["lanes"]["per_tick"]
     assert work.matmul_flops == p["critical_flops"] == fixed + costs.critical
     assert p["busiest_device_flops"] == fixed + costs.busiest

@@ -329,14 +329,14 @@ def test_explicit_predictions_are_priced_from_their_lanes_in_lockstep(schedule):
     pred = predict(models.llama, "tiny", "pp", {"stage": 4, "data": 2}, BATCH, SEQ,
                    pipeline=(schedule, 4, 1))  # fmt: skip
     lanes = pred.pipeline["lanes"]
-    f, b, w, h = (lanes[k] for k in ("forward", "backward", "weight", "head"))
-    assert (f, b + w, h) == (64 * LAYER_FWD, 2 * f, 3 * 64 * HEAD_FWD)
-    assert (w > 0) == (schedule == "zb-h1")
+    f, b, w, h, hw = (lanes[k] for k in ("forward", "backward", "weight", "head", "head_weight"))
+    assert (f, b + w, h + hw) == (64 * LAYER_FWD, 2 * f, 3 * 64 * HEAD_FWD)
+    assert (w > 0) == (hw > 0) == (schedule == "zb-h1")  # zb-h1: the head's dW in W too
     work = work_from_prediction(pred)
     assert work.model_flops is None and work.schedule == schedule
-    costs = make_schedule(4, 4, schedule).tick_costs([f, f, f, f + h], b, w)
+    costs = make_schedule(4, 4, schedule).tick_costs([f, f, f, f + h], b, [w, w, w, w + hw])
     assert work.matmul_flops == pytest.approx(costs.critical) == pred.critical_flops
-    assert pred.matmul_flops == pytest.approx(costs.busiest) == 4 * (f + b + w + h)
+    assert pred.matmul_flops == pytest.approx(costs.busiest) == 4 * (f + b + w + h + hw)
     assert work.bubble_flops == pytest.approx(costs.bubble)
     assert work.bubble_fraction == make_schedule(4, 4, schedule).bubble_fraction
     if schedule == "1f1b":

@@ -32,7 +32,9 @@ class Lanes:
         forward: the chunk's forward (F), the head excluded.
         backward: its backward (B): input and weight gradients, zb-h1's input gradient only.
         weight: zb-h1's weight gradient (W); 0 for the others.
-        head: the head and the loss with their VJP, run in the last virtual stage's forward.
+        head: the head and the loss with their VJP, run in the last virtual stage's forward
+            (zb-h1: the forward and the input gradient only).
+        head_weight: zb-h1's head weight gradient, run in the last virtual stage's W.
         per_tick: work every stage does every tick outside the three lanes.
         outside: work outside the tick loop, per step.
     """
@@ -41,6 +43,7 @@ class Lanes:
     backward: float
     weight: float = 0.0
     head: float = 0.0
+    head_weight: float = 0.0
     per_tick: float = 0.0
     outside: float = 0.0
 
@@ -69,8 +72,9 @@ def tick_costs(
         share = [sum(stage_layers[c * p + s] for c in range(r)) / slots for s in range(p)]
     forward = [r * lanes.forward * x for x in share]
     forward[-1] += lanes.head
-    return schedule.tick_costs(forward, [r * lanes.backward * x for x in share],
-                               [r * lanes.weight * x for x in share])  # fmt: skip
+    weight = [r * lanes.weight * x for x in share]
+    weight[-1] += lanes.head_weight
+    return schedule.tick_costs(forward, [r * lanes.backward * x for x in share], weight)
 
 
 def price(
@@ -119,7 +123,9 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
         backward = weight + 2 * (stage - weight) + extra * stage
     else:
         backward, weight = (2 + extra) * stage, 0.0
-    lanes = Lanes(stage, backward, weight, head / m)
+    # zb-h1 leaves the head's weight gradient (a third of its work) to the last stage's W.
+    head_w = head / 3 if sched.splits_backward else 0.0
+    lanes = Lanes(stage, backward, weight, (head - head_w) / m, head_w / m)
     critical, busiest = price(sched, lanes)
     return busiest, critical, lanes
 

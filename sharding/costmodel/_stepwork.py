@@ -31,6 +31,7 @@ from sharding.pipeline import Kind, Schedule, make_schedule
 # The named scope of each lane's conditional in an explicit schedule's tick (sharding.pipeline).
 LANES = {Kind.FORWARD: "pipeline_F", Kind.BACKWARD: "pipeline_B", Kind.WEIGHT: "pipeline_W"}
 HEAD_SCOPE = "pipeline_head"  # inside F: the head, loss and their VJP, last virtual stage only
+HEAD_W_SCOPE = "pipeline_head_w"  # inside zb-h1's W: the head's weight gradient, the same stage
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|true_computation"
                     r"|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")  # fmt: skip
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -130,9 +131,15 @@ def _lanes(t: _Ticks, body: str, per_tick: float, schedule: Schedule) -> tuple[L
     share = {c: m * r / ticks for name, _ in taken.values() if name for c in t.reach(name)}
     if names:
         share |= dict.fromkeys(t.reach(names[head.index(max(head))]), m / ticks)
+    # zb-h1's W holds the head's weight gradient the same way.
+    w_names, head_w = t.branches(taken[Kind.WEIGHT][0], HEAD_W_SCOPE) if taken[Kind.WEIGHT][0] \
+        else ([], [])  # fmt: skip
+    head_w = [x / ticks for x in head_w]
+    if w_names:
+        share |= dict.fromkeys(t.reach(w_names[head_w.index(max(head_w))]), m / ticks)
     lanes = Lanes(forward=taken[Kind.FORWARD][1] - sum(head), backward=taken[Kind.BACKWARD][1],
-                  weight=taken[Kind.WEIGHT][1], head=max(head, default=0.0),
-                  per_tick=per_tick - charged)  # fmt: skip
+                  weight=taken[Kind.WEIGHT][1] - sum(head_w), head=max(head, default=0.0),
+                  head_weight=max(head_w, default=0.0), per_tick=per_tick - charged)  # fmt: skip
     return lanes, share
 
 
@@ -325,4 +332,4 @@ def work_from_prediction(
     return work
 
 
-__all__ = ["HEAD_SCOPE", "LANES", "work_from_prediction", "work_from_report"]
+__all__ = ["HEAD_SCOPE", "HEAD_W_SCOPE", "LANES", "work_from_prediction", "work_from_report"]

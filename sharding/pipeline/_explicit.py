@@ -33,8 +33,9 @@ from jax import sharding as jshard
 
 from sharding._stack import LayerFn
 from sharding.pipeline._kinds import IDLE, Kind
-from sharding.pipeline._layers import Layers
+from sharding.pipeline._layers import Layers, uniform
 from sharding.pipeline._schedule import Schedule
+from sharding.pipeline._split import Split
 
 P = jshard.PartitionSpec
 
@@ -213,18 +214,25 @@ def _body(
         y, res = chunk.forward(weights(k), x, fex, ex, valid(k))
         c = {**c, "res": put(c["res"], tab["F.res"][t, sid], res)}
 
-        def head(_: None) -> tuple:
-            batch_i = jax.tree.map(lambda a: a[i], batch_m)
-            value, vjp = jax.vjp(lambda r_, y_: head_loss(r_, y_, batch_i) / m, rest, y)
-            return (value.astype(jnp.float32), *vjp(jnp.ones_like(value)))
+        batch_i = jax.tree.map(lambda a: a[i], batch_m)
+        if split:  # the head's weight gradient waits for W, like the layers'
+            with jax.named_scope("pipeline_head"):
+                value, dy, kept = lax.cond(last, uniform(head_b), uniform(no_head_b),
+                                           rest, y, batch_i)  # fmt: skip
+            c["head"] = put(c["head"], tab["F.res"][t, sid], kept)
+        else:
 
-        def no_head(_: None) -> tuple:
-            return jnp.zeros_like(c["loss"]), jax.tree.map(jnp.zeros_like, rest), zero_x
+            def head(_: None) -> tuple:
+                value, vjp = jax.vjp(lambda r_, y_: head_loss(r_, y_, batch_i) / m, rest, y)
+                return (value.astype(jnp.float32), *vjp(jnp.ones_like(value)))
 
-        with jax.named_scope("pipeline_head"):
-            value, drest, dy = lax.cond(last, head, no_head, None)
+            def no_head(_: None) -> tuple:
+                return jnp.zeros_like(c["loss"]), jax.tree.map(jnp.zeros_like, rest), zero_x
+
+            with jax.named_scope("pipeline_head"):
+                value, drest, dy = lax.cond(last, head, no_head, None)
+            c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
         c["loss"] = c["loss"] + value
-        c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
         c["cot"] = jnp.where(last, c["cot"].at[jnp.maximum(tab["F.cot"][t, sid], 0)].set(dy),
                              c["cot"])  # fmt: skip
         return c, y
@@ -247,9 +255,15 @@ def _body(
 
     def weight(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         k = tab["W.chunk"][t, sid]
-        dw = chunk.weight_grad(weights(k), get(c["res"], tab["W.res"][t, sid]),
-                               get(c["wct"], tab["W.wct"][t, sid]), c["back"], valid(k))  # fmt: skip
-        return {**c, "gw": jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], dw)}, zero_x
+        slot = tab["W.res"][t, sid]
+        dw = chunk.weight_grad(weights(k), get(c["res"], slot), get(c["wct"], tab["W.wct"][t, sid]),
+                               c["back"], valid(k))  # fmt: skip
+        c = {**c, "gw": jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], dw)}
+        last = (sid == p - 1) & (k == v - 1)
+        with jax.named_scope("pipeline_head_w"):
+            drest = lax.cond(last, uniform(head_w), uniform(no_head_w), get(c["head"], slot))
+        c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
+        return c, zero_x
 
     def lane(kind: str, run: Callable, c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         # The scope names the conditional in the HLO (`sharding.costmodel` prices each lane).
@@ -286,7 +300,36 @@ def _body(
         "dex": [jnp.zeros_like(a) for a, f in zip(extras_m, floats, strict=True) if f],
         "loss": lax.pcast(jnp.zeros((), jnp.float32), ("stage", "data"), to="varying"),
     }
-    if split:  # B's boundary values per layer, from an abstract backward of one chunk
+    if split:  # what follows the stack, its VJP cut in two like a layer's (`Split`)
+        batch0 = jax.tree.map(lambda a: a[0], batch_m)
+
+        def head_split() -> Split:
+            def vjp(r: Any, y: jax.Array, b: Any) -> list:
+                value, pullback = jax.vjp(lambda r_, y_: head_loss(r_, y_, b) / m, r, y)
+                drest, dy = pullback(jnp.ones_like(value))
+                return [*jax.tree.leaves(drest), dy, value.astype(jnp.float32)]
+
+            return Split(vjp, [rest, zero_x, batch0], len(jax.tree.leaves(rest)), keep={0})
+
+        def head_b(r: Any, y: jax.Array, b: Any) -> tuple:
+            (dy, value), kept = head_split().input_grads([r, y, b])
+            return value, dy, kept
+
+        kept_shapes = jax.eval_shape(lambda: head_b(rest, zero_x, batch0)[2])
+
+        def no_head_b(r: Any, y: jax.Array, b: Any) -> tuple:
+            zeros = [jnp.zeros(a.shape, a.dtype) for a in kept_shapes]
+            return jnp.zeros((), jnp.float32), zero_x, zeros
+
+        def head_w(kept: list) -> Any:
+            drest = head_split().weight_grads([rest], kept)
+            return jax.tree.unflatten(jax.tree.structure(rest), drest)
+
+        def no_head_w(kept: list) -> Any:
+            return jax.tree.map(jnp.zeros_like, rest)
+
+        carry["head"] = ring(n.residuals, kept_shapes)
+        # B's boundary values per layer, from an abstract backward of one chunk
         res0 = get(carry["res"], 0)
         wct = jax.eval_shape(lambda: chunk.backward(weights(0), res0, carry["cot"][0], fex0,
                                                     weights=False, valid=valid(0))[2])  # fmt: skip

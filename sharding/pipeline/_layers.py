@@ -63,7 +63,7 @@ class Layers:
 
         def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, list]:
             w_l, ok = xs
-            return lax.cond(ok, _uniform(run), _uniform(skip), w_l, h)
+            return lax.cond(ok, uniform(run), uniform(skip), w_l, h)
 
         return lax.scan(body, x, (w, valid))
 
@@ -103,7 +103,7 @@ class Layers:
                     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
                     return g, [jnp.zeros_like(e) for e in fex], zeros
 
-                dh, dfex_l, out = lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, g)
+                dh, dfex_l, out = lax.cond(ok, uniform(run), uniform(skip), w_l, r_l, g)
             dfex = [a + b for a, b in zip(dfex, dfex_l, strict=True)]
             return (dh, dfex), out
 
@@ -128,7 +128,7 @@ class Layers:
             w_l, r_l, b_l, ok = xs
             if valid is None:
                 return None, run(w_l, r_l, b_l)
-            return None, lax.cond(ok, _uniform(run), _uniform(skip), w_l, r_l, b_l)
+            return None, lax.cond(ok, uniform(run), uniform(skip), w_l, r_l, b_l)
 
         ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
         return lax.scan(body, None, (w, res, boundary, ok))[1]
@@ -144,7 +144,7 @@ def _varying_axes(x: jax.Array) -> frozenset:
     return frozenset(vma)
 
 
-def _uniform(fn: Callable) -> Callable:
+def uniform(fn: Callable) -> Callable:
     """``fn`` with every floating output varying over both manual axes, so that a `lax.cond`
     between a layer and its skip (whose zeros vary over nothing) has one output type."""
 

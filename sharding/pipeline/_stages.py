@@ -32,6 +32,7 @@ from sharding.pipeline._layers import Layers
 from sharding.pipeline._loss import Extras
 from sharding.pipeline._scan import PipelineSpec, scan_pipeline, to_microbatches
 from sharding.pipeline._schedule import EXPLICIT, check_layers
+from sharding.pipeline._split import Split
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,8 @@ def stage_work(
     ``forward`` (F, residuals kept), ``backward`` (1f1b's B: input and weight gradients),
     ``input_grad`` and ``weight_grad`` (zb-h1's B and W; they add up to ``backward``), and
     ``head_forward`` / ``head_backward``: what follows the stack (head and loss), forward and
-    its VJP, run by the last stage. Feed them to `Schedule.tick_costs` to price a schedule.
+    its VJP, run by the last stage; ``head_input_grad`` / ``head_weight_grad`` split that VJP as
+    zb-h1 runs it (with the forward's B and in its W). Feed them to `Schedule.tick_costs` to price a schedule.
 
     Example (with ``llama`` the model family module ``models.llama``):
         >>> work = Workload.from_family(llama, llama.config("tiny"))  # doctest: +SKIP
@@ -263,12 +265,31 @@ def stage_work(
     full = _flops(with_stack(lambda c, m, b, r: backward(c, m, b, r, True)), state, batch, res)
     dx = _flops(with_stack(lambda c, m, b, r: backward(c, m, b, r, False)), state, batch, res)
     dw = _flops(with_stack(weight_grad), state, batch, res, bnd)
+
+    def head_split(state: Any, batch: dict, y: jax.Array) -> Split:
+        def vjp(state: Any, y: jax.Array, batch: dict) -> list:
+            value, pullback = jax.vjp(lambda s_, y_: after(s_, batch, y_), state, y)
+            dstate, dy = pullback(jnp.ones_like(value))
+            return [*jax.tree.leaves(dstate), dy]
+
+        return Split(vjp, [state, y, batch], len(jax.tree.leaves(state)), keep={0})
+
+    def head_input(state: Any, batch: dict, y: jax.Array) -> tuple:
+        return head_split(state, batch, y).input_grads([state, y, batch])
+
+    def head_weight(state: Any, batch: dict, y: jax.Array, kept: list) -> list:
+        return head_split(state, batch, y).weight_grads([state], kept)
+
     y = jax.eval_shape(with_stack(lambda call, m, b: call.h), state, batch)
     head_f = _flops(after, state, batch, y)
     head_b = _flops(jax.grad(after, argnums=(0, 2)), state, batch, y)
+    head_dx = _flops(head_input, state, batch, y)
+    kept = jax.eval_shape(head_input, state, batch, y)[1]
+    head_dw = _flops(head_weight, state, batch, y, kept)
     return {"forward": f - before, "backward": full - before, "input_grad": dx - before,
             "weight_grad": dw - before, "head_forward": head_f,
-            "head_backward": head_b - head_f}  # fmt: skip
+            "head_backward": head_b - head_f, "head_input_grad": head_dx - head_f,
+            "head_weight_grad": head_dw}  # fmt: skip
 
 
 def balanced_stages(
