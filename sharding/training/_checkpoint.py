@@ -13,8 +13,9 @@ naming the step and the file, never a partial restore.
 Arrays are stored under their "/"-joined state paths (``params/layers/attn/q/kernel``,
 ``opt_state/0/mu/...``), independent of the pytree node types, and restored straight into the
 shardings of the target (`TrainProgram.state_shardings` for any mesh and strategy): each device
-reads only its own shards. The data position is the step: `sharding.process_batch` is addressed by
-``(seed, step, row)``, so a restored step resumes the exact data order.
+reads only its own shards. The data position follows from the step: `sharding.process_batch` is
+addressed by ``(seed, step, row)``, so a restored step resumes the exact data order; a Grain
+dataset also saves its epoch, index and fingerprint in the metadata, checked on resume.
 """
 
 from __future__ import annotations
