@@ -57,6 +57,15 @@ def reference():
         ("pp", "stage=4,data=2", "zb-h1", None, (1, 2, 2, 3)),
         ("pp", "stage=2,data=4", "gpipe", None, (3, 5)),
         ("pp_tp", "stage=2,data=2,tensor=2", "circular", 2, (1, 3, 3, 1)),
+        # the rest of every schedule x {pp, pp_tp, pp_fsdp}
+        ("pp_tp", "stage=2,data=2,tensor=2", "gpipe", None, (5, 3)),
+        ("pp_fsdp", "stage=2,fsdp=4", "gpipe", None, (2, 6)),
+        ("pp", "stage=2,data=4", "circular", 2, (2, 1, 3, 2)),
+        ("pp_fsdp", "stage=2,fsdp=4", "circular", 2, (1, 2, 2, 3)),
+        ("pp_tp", "stage=2,data=2,tensor=2", "1f1b", None, (5, 3)),
+        ("pp_tp", "stage=2,data=2,tensor=2", "interleaved", 2, (2, 2, 1, 3)),
+        ("pp_fsdp", "stage=2,fsdp=4", "interleaved", 2, (3, 1, 2, 2)),
+        ("pp_fsdp", "stage=2,fsdp=4", "zb-h1", None, (2, 6)),
     ],
 )
 def test_uneven_stages_match_one_device(strategy, mesh, schedule, repeats, stage_layers):

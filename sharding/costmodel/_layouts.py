@@ -16,7 +16,7 @@ from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
 from sharding._mesh import MeshSpec, mesh_text
 from sharding._recipe import build_program, pipeline_for
 from sharding.costmodel._predict import CostModelError
-from sharding.pipeline import PipelineSpec
+from sharding.pipeline import EXPLICIT, PipelineSpec
 
 # The order layouts are listed in: the guides' three families, then their hybrids.
 ORDER = ("dp", "fsdp", "tp", "dp_tp", "fsdp_tp", "pp", "pp_tp", "pp_fsdp")
@@ -92,11 +92,13 @@ class Layout:
             ...     work, batch=16, seq=32, optimizer=optax.adamw(1e-3))
         """
         piped = self.schedule is not None
+        # The explicit schedules run the head on the last stage: balance the stages around it.
+        balanced = "auto" if self.schedule in EXPLICIT else None
         return build_program(
             workload, self.strategy, self.mesh, batch=batch, seq=seq, optimizer=optimizer,
             compute_dtype=dtype, remat=remat, accum_steps=accum_steps, schedule=self.schedule,
             microbatches=self.microbatches, repeats=self.repeats if piped else None,
-            devices=devices,
+            stage_layers=balanced, devices=devices,
         )  # fmt: skip
 
 
