@@ -226,3 +226,18 @@ def test_compare_finds_the_cnn_hybrid_beside_pure_dp():
     assert hybrid.collective_bytes < dp.collective_bytes
     assert hybrid.state_bytes < dp.state_bytes
     assert "weights tensor(2)" in hybrid.split
+
+
+def test_profile_traces_each_measured_candidates_timed_steps(tmp_path):
+    """--profile DIR: every measured candidate's timed steps in a jax.profiler trace of its own;
+    asking for a trace with measuring off is refused before anything compiles or is written."""
+    traces = tmp_path / "traces"
+    result = compare(llama, strategies="dp", dtype="float32", profile=traces, timed_steps=2)
+    labels = [c.label for c in result.candidates]
+    found = sorted(p.relative_to(traces).parts[0] for p in traces.rglob("*.xplane.pb"))
+    assert len(found) == len(labels) == 1 and found[0].startswith("dp")
+    assert all(c.measured_s for c in result.candidates)
+    with pytest.raises(CompareArgumentError, match=r"--profile .* traces the measured steps, but "
+                                                   r"--no-measure turns measuring off"):  # fmt: skip
+        compare(llama, strategies="dp", profile=tmp_path / "other", measure=False)
+    assert not (tmp_path / "other").exists()

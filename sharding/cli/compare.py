@@ -60,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed steps per candidate where measured (the median is shown)")  # fmt: skip
     p.add_argument("--warmup-steps", type=non_negative_int, default=1,
                    help="untimed steps per candidate before the timed ones")  # fmt: skip
+    p.add_argument("--profile", metavar="DIR", help="trace the timed steps into DIR/<candidate>")
     p.add_argument("--steps", action=_Renamed, new="--timed-steps {}")
     p.add_argument("--warmup", action=_Renamed, new="--warmup-steps {}")
     p.add_argument("--dtype", help="compute dtypes to compare, a comma list of float32, "
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 remat=args.remat,
                 measure=args.measure,
+                profile=args.profile,
                 timed_steps=args.timed_steps,
                 warmup_steps=args.warmup_steps,
                 strategies=args.strategies,

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from sharding._devices import cpu_only
@@ -37,6 +39,7 @@ from sharding.comparison._verdict import recommend
 from sharding.costmodel import MEMORY_FRACTION, Layout, layouts, strategy_names
 from sharding.targets import Target
 from sharding.targets import target as parse_target
+from sharding.training._config import check_folder
 
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "dots", "full")
@@ -66,6 +69,7 @@ def compare(
     measure: bool | None = None,
     timed_steps: int = 3,
     warmup_steps: int = 1,
+    profile: str | os.PathLike | None = None,
     on_progress: Progress | None = None,
 ) -> Comparison:
     """Which strategy for ``model`` on ``target``: `spmdkit compare`.
@@ -89,6 +93,8 @@ def compare(
         memory_budget: bytes per device a step may allocate (default: 90% of the target's HBM).
         measure: also time steps on this process's devices (default: only where they are real
             accelerators); timed_steps, warmup_steps: how many.
+        profile: a folder: each measured candidate's timed steps are traced with
+            `jax.profiler` into ``profile/<candidate>`` (implies ``measure``).
         on_progress: ``(task, done, total, note)`` as candidates compile and run.
 
     Raises:
@@ -102,6 +108,14 @@ def compare(
     """
     work = _workload(model, size, cfg)
     seq = _check(work, batch, seq, timed_steps, warmup_steps)
+    if profile is not None:
+        if measure is False:
+            raise CompareArgumentError(
+                f"--profile {os.fspath(profile)!r} traces the measured steps, but --no-measure "
+                f"turns measuring off; drop --no-measure (--profile measures on this host)"
+            )
+        check_folder(profile, "--profile", "traces/compare")
+        measure = True
     tgt = target if isinstance(target, Target) else parse_target(target)
     dtypes, remats = _choices("--dtype", dtype, DTYPES), _choices("--remat", remat, REMATS)
     budget = (int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_budget is None
@@ -144,7 +158,8 @@ def compare(
             for candidate, program in got:
                 if measure:
                     measure_here(candidate, program, work, settings, warmup=warmup_steps,
-                                 timed=timed_steps)  # fmt: skip
+                                 timed=timed_steps,
+                                 profile=None if profile is None else Path(profile))  # fmt: skip
                 found.append(candidate)
             progress(task, 1, 1, None)
     if measure and not real:

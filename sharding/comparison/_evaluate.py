@@ -10,10 +10,13 @@ a pipeline's stages add up instead of running side by side); on real devices the
 
 from __future__ import annotations
 
+import contextlib
+import re
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,6 +27,7 @@ from sharding._mesh import mesh_text
 from sharding._workload import Workload
 from sharding.costmodel import Layout, StepTime, StepWork, step_time, work_from_report
 from sharding.targets import Target
+from sharding.training import profile_steps
 
 __all__ = ["Candidate", "Settings", "evaluate", "measure_here", "reference_flops"]
 
@@ -167,15 +171,22 @@ def evaluate(
 
 def measure_here(
     candidate: Candidate, program: Any, work: Workload, settings: Settings, *, warmup: int,
-    timed: int, on_step: Callable[[], None] | None = None,
+    timed: int, on_step: Callable[[], None] | None = None, profile: Path | None = None,
 ) -> Candidate:  # fmt: skip
-    """Run ``warmup`` then ``timed`` steps on this process's devices; fill the timings."""
+    """Run ``warmup`` then ``timed`` steps on this process's devices; fill the timings. With
+    ``profile``, the timed steps are traced (`sharding.training.profile_steps`) into
+    ``profile/<candidate label>``."""
     state = program.init(0)
     batch = program.shard_batch(work.synthetic_batch(settings.batch, settings.seq))
+    trace = None
+    if profile is not None:
+        name = re.sub(r"[^\w.=-]+", "_", f"{candidate.label} {candidate.layout.mesh}").strip("_")
+        trace = profile_steps(profile / name, warmup + 1, warmup + timed)
     for i in range(warmup + timed):
         start = time.perf_counter()
-        state, metrics = program.step(state, batch)
-        loss = float(metrics["loss"])  # waits for the step
+        with trace.step(i + 1) if trace else contextlib.nullcontext():
+            state, metrics = program.step(state, batch)
+            loss = float(metrics["loss"])  # waits for the step
         if i >= warmup:
             candidate.measured_s.append(time.perf_counter() - start)
         candidate.losses.append(loss)
