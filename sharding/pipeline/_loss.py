@@ -109,12 +109,13 @@ def pipelined_loss(
     ``stack`` pipelined over ``stage``.
 
     ``gathered``: shardings of the parameters without the ``fsdp`` axis (pp_fsdp): each stage's
-    weights (and, in 1f1b, those the loss reads per micro-batch) are gathered once per step
+    weights (and, in the explicit schedules, those the loss reads per micro-batch) are gathered once per step
     before the ticks, their gradients reduced once after, not once per layer per tick.
 
     gpipe and circular run the whole loss once with the stack's call replaced by the pipeline.
-    1f1b runs the part after the stack per micro-batch on the last stage and averages: exact for
-    a loss that is a mean over the batch's rows (plus terms that read no stack weight).
+    1f1b, interleaved and zb-h1 run the part after the stack per micro-batch on the last stage
+    and average: exact for a loss that is a mean over the batch's rows (plus terms that read no
+    stack weight). ``stage_layers``: balanced stages (`layer_slots`), None for equal ones.
     """
     if schedule.explicit:
         return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
