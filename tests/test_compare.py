@@ -241,3 +241,8 @@ def test_profile_traces_each_measured_candidates_timed_steps(tmp_path):
                                                    r"--no-measure turns measuring off"):  # fmt: skip
         compare(llama, strategies="dp", profile=tmp_path / "other", measure=False)
     assert not (tmp_path / "other").exists()
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(
+        CompareArgumentError, match=r"--profile .*: .*taken is a file; give a folder"
+    ):
+        compare(llama, strategies="dp", profile=tmp_path / "taken" / "sub")

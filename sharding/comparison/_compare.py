@@ -39,7 +39,6 @@ from sharding.comparison._verdict import recommend
 from sharding.costmodel import MEMORY_FRACTION, Layout, layouts, strategy_names
 from sharding.targets import Target
 from sharding.targets import target as parse_target
-from sharding.training._config import check_folder
 
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "dots", "full")
@@ -114,7 +113,13 @@ def compare(
                 f"--profile {os.fspath(profile)!r} traces the measured steps, but --no-measure "
                 f"turns measuring off; drop --no-measure (--profile measures on this host)"
             )
-        check_folder(profile, "--profile", "traces/compare")
+        existing = next(p for p in (Path(profile).absolute(), *Path(profile).absolute().parents)
+                        if p.exists())  # fmt: skip
+        if not existing.is_dir():
+            raise CompareArgumentError(
+                f"--profile {os.fspath(profile)!r}: {existing} is a file; give a folder for the "
+                f"traces, e.g. --profile traces/compare"
+            )
         measure = True
     tgt = target if isinstance(target, Target) else parse_target(target)
     dtypes, remats = _choices("--dtype", dtype, DTYPES), _choices("--remat", remat, REMATS)

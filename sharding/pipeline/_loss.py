@@ -117,6 +117,8 @@ def pipelined_loss(
     and average: exact for a loss that is a mean over the batch's rows (plus terms that read no
     stack weight). ``stage_layers``: balanced stages (`layer_slots`), None for equal ones.
     """
+    if stage_layers is not None and len(set(stage_layers)) == 1:
+        stage_layers = None  # equal stages: the stack's own layout, no slots to gather
     if schedule.explicit:
         return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
                               stage_layers)  # fmt: skip
