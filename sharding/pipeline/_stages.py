@@ -157,6 +157,43 @@ def stage_report(
     )
 
 
+class _AtStack:
+    """A workload's loss, abstractly (``state``, ``batch`` are shapes), with its stack's call
+    handed to a function: the one way `workload_stage_costs` and `stage_work` build programs."""
+
+    def __init__(self, workload: Any, rows: int, seq_len: int | None):
+        self.workload, self.path = workload, workload.stack
+        self.graphdef, self.state = nnx.split(nnx.eval_shape(lambda: workload.model(nnx.Rngs(0))))
+        self.batch = workload.batch_shapes(rows, seq_len or workload.seq)
+
+    def loss(self, stack_out: Any) -> Any:
+        """``(state, batch, *more) -> the loss`` with the stack's output ``stack_out(call,
+        *more)``."""
+
+        def run(state: Any, batch: dict, *more: Any) -> jax.Array:
+            m = nnx.merge(self.graphdef, state)
+            with taken_over(m, self.path, lambda call: stack_out(call, *more)):
+                return self.workload.loss(m, batch)
+
+        return run
+
+    def at(self, fn: Any) -> Any:
+        """``(state, batch, *more) -> fn(call, *more)``, evaluated where the loss calls the
+        stack (what follows it is dead code)."""
+
+        def run(state: Any, batch: dict, *more: Any) -> Any:
+            out = {}
+
+            def take(call: Any) -> jax.Array:
+                out["value"] = fn(call, *more)
+                return call.h
+
+            self.loss(take)(state, batch)
+            return out["value"]
+
+        return run
+
+
 _COSTS: dict[tuple, tuple[Any, dict]] = {}  # (id(workload), rows, seq) -> (workload, costs)
 
 
@@ -169,27 +206,15 @@ def workload_stage_costs(workload: Any, microbatch_rows: int, seq_len: int | Non
     key = (id(workload), microbatch_rows, seq_len)
     if key in _COSTS and _COSTS[key][0] is workload:  # compare asks once per candidate
         return dict(_COSTS[key][1])
-    model = nnx.eval_shape(lambda: workload.model(nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
-    batch = workload.batch_shapes(microbatch_rows, seq_len or workload.seq)
-    path = workload.stack
-
-    def loss_with(stack_out: Any, whole: bool = True) -> Any:
-        def fn(state: Any, batch: dict) -> Any:
-            m = nnx.merge(graphdef, state)
-            with taken_over(m, path, stack_out) as calls:
-                value = workload.loss(m, batch)
-            return value if whole else calls[0].h
-
-        return fn
+    at = _AtStack(workload, microbatch_rows, seq_len)
 
     def one_layer(call: Any) -> jax.Array:
         first = jax.tree.map(lambda w: w[0], call.state)
         return call.apply_layer(first, call.h, call.args, call.kwargs)
 
-    before = _flops(loss_with(lambda call: call.h, whole=False), state, batch)
-    identity = _flops(loss_with(lambda call: call.h), state, batch)
-    layered = _flops(loss_with(one_layer), state, batch)
+    before = _flops(at.at(lambda call: call.h), at.state, at.batch)
+    identity = _flops(at.loss(lambda call: call.h), at.state, at.batch)
+    layered = _flops(at.loss(one_layer), at.state, at.batch)
     costs = {"layer": layered - identity, "before": before, "after": identity - before}
     _COSTS[key] = (workload, costs)
     return dict(costs)
@@ -215,27 +240,8 @@ def stage_work(
 
     from sharding._shardings import remat_wrapper  # it imports this package
 
-    model = nnx.eval_shape(lambda: workload.model(nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
-    batch = workload.batch_shapes(microbatch_rows, seq_len or workload.seq)
-    path = workload.stack
-
-    def with_stack(fn: Any) -> Any:
-        """``fn(call, model, batch, *more)`` run where the loss calls the stack; its value."""
-
-        def run(state: Any, batch: dict, *more: Any) -> Any:
-            m = nnx.merge(graphdef, state)
-            out = {}
-
-            def take(call: Any) -> jax.Array:
-                out["value"] = fn(call, m, batch, *more)
-                return call.h
-
-            with taken_over(m, path, take):
-                workload.loss(m, batch)
-            return out["value"]
-
-        return run
+    at = _AtStack(workload, microbatch_rows, seq_len)
+    state, batch, path = at.state, at.batch, at.path
 
     def pieces(call: Any) -> tuple[Any, Any, list, list]:
         extras = Extras.of(call, path)
@@ -245,34 +251,31 @@ def stage_work(
         fex = [x for x, f in zip(extras.arrays, floats, strict=True) if f]
         return chunk, w, fex, extras.arrays
 
-    def forward(call: Any, m: Any, b: dict) -> Any:
+    def forward(call: Any) -> Any:
         chunk, w, fex, ex = pieces(call)
         return chunk.forward(w, call.h, fex, ex)
 
-    def backward(call: Any, m: Any, b: dict, res: list, weights: bool) -> Any:
+    def backward(call: Any, res: list, weights: bool) -> Any:
         chunk, w, fex, ex = pieces(call)
         chunk.forward(w, call.h, fex, ex)  # traced for the pullback's structure; dead code
         return chunk.backward(w, res, call.h, fex, weights=weights)
 
-    def weight_grad(call: Any, m: Any, b: dict, res: list, boundary: list) -> Any:
+    def weight_grad(call: Any, res: list, boundary: list) -> Any:
         chunk, w, fex, ex = pieces(call)
         chunk.forward(w, call.h, fex, ex)
         return chunk.weight_grad(w, res, boundary, call.h)
 
     def after(state: Any, batch: dict, y: jax.Array) -> jax.Array:
         """What follows the stack (head and loss), given the stack's output ``y``."""
-        m = nnx.merge(graphdef, state)
-        with taken_over(m, path, lambda _: y):
-            return workload.loss(m, batch)
+        return at.loss(lambda _, y: y)(state, batch, y)
 
-    res = jax.eval_shape(with_stack(lambda *a: forward(*a)[1]), state, batch)
-    bnd = jax.eval_shape(with_stack(lambda c, m, b, r: backward(c, m, b, r, False)[2]),
-                         state, batch, res)  # fmt: skip
-    before = _flops(with_stack(lambda call, m, b: call.h), state, batch)
-    f = _flops(with_stack(lambda *a: forward(*a)[0]), state, batch)
-    full = _flops(with_stack(lambda c, m, b, r: backward(c, m, b, r, True)), state, batch, res)
-    dx = _flops(with_stack(lambda c, m, b, r: backward(c, m, b, r, False)), state, batch, res)
-    dw = _flops(with_stack(weight_grad), state, batch, res, bnd)
+    res = jax.eval_shape(at.at(lambda c: forward(c)[1]), state, batch)
+    bnd = jax.eval_shape(at.at(lambda c, r: backward(c, r, False)[2]), state, batch, res)
+    before = _flops(at.at(lambda call: call.h), state, batch)
+    f = _flops(at.at(lambda c: forward(c)[0]), state, batch)
+    full = _flops(at.at(lambda c, r: backward(c, r, True)), state, batch, res)
+    dx = _flops(at.at(lambda c, r: backward(c, r, False)), state, batch, res)
+    dw = _flops(at.at(weight_grad), state, batch, res, bnd)
 
     def head_split(state: Any, batch: dict, y: jax.Array) -> Split:
         def vjp(state: Any, y: jax.Array, batch: dict) -> list:
@@ -288,7 +291,7 @@ def stage_work(
     def head_weight(state: Any, batch: dict, y: jax.Array, kept: list) -> list:
         return head_split(state, batch, y).weight_grads([state], kept)
 
-    y = jax.eval_shape(with_stack(lambda call, m, b: call.h), state, batch)
+    y = jax.eval_shape(at.at(lambda call: call.h), state, batch)
     head_f = _flops(after, state, batch, y)
     head_b = _flops(jax.grad(after, argnums=(0, 2)), state, batch, y)
     head_dx = _flops(head_input, state, batch, y)
