@@ -27,6 +27,7 @@ from sharding._init import abstract_params, init_sharded, state_bytes
 from sharding._mesh import (
     AXES,
     BATCH_AXES,
+    SEQUENCE_AXIS,
     MalformedMeshSpecError,
     MeshSizeMismatchError,
     MeshSpec,
@@ -72,6 +73,7 @@ from sharding.training import fit, launch, reshard
 __all__ = [
     "AXES",
     "BATCH_AXES",
+    "SEQUENCE_AXIS",
     "AccumulationError",
     "ArgumentTypeError",
     "BatchShardingError",

@@ -1,16 +1,23 @@
 """Mesh declaration: ``"data=2,fsdp=-1,tensor=2"`` -> a validated `MeshSpec` -> a `jax.sharding.Mesh`.
 
-Every spmdkit mesh has the same four axes in the same order, whatever order the user wrote them in:
+Every spmdkit mesh has the same six axes in the same order, whatever order the user wrote them in:
 
-    stage, data, fsdp, tensor
+    stage, data, fsdp, expert, context, tensor
 
 Axes not written have size 1, so one partition preset serves every mesh shape. The order is the
-device order: `jax.make_mesh` gives the innermost (last) axis the closest devices. ``tensor`` goes
-innermost because tensor parallelism exchanges activations inside every layer, forward and
-backward, and needs the fastest links (NVLink within a host); ``fsdp`` next, its weight gathers
-are per layer but overlap with compute; ``data`` exchanges gradients once per step; ``stage``
-outermost, its point-to-point activation transfers are the lightest traffic and tolerate the
-slowest links (across hosts).
+device order: `jax.make_mesh` gives the innermost (last) axis the closest devices; it follows
+Megatron's ``tp-cp-ep-dp-pp``, innermost first. ``tensor`` goes innermost because tensor
+parallelism exchanges activations inside every layer, forward and backward, and needs the fastest
+links (NVLink within a host); ``context`` next, its key/value blocks (ring attention) or
+all-to-alls (Ulysses) are per attention layer but overlap with the attention's compute;
+``expert`` then, its token all-to-alls are per mixture-of-experts layer, twice forward and twice
+backward; ``fsdp`` next, its weight gathers are per layer but overlap with compute; ``data``
+exchanges gradients once per step; ``stage`` outermost, its point-to-point activation transfers
+are the lightest traffic and tolerate the slowest links (across hosts).
+
+``expert`` splits the batch like ``data`` (tokens are exchanged with the experts' devices only
+inside a mixture-of-experts layer), so `BATCH_AXES` is data, fsdp, expert; ``context`` splits
+the sequence of every sequence-shaped activation.
 
 Axis types are all ``Auto`` (GSPMD), chosen deliberately: jax 0.10's `jax.make_mesh` defaults to
 ``Explicit``, which would make every ambiguous contraction in model code a trace-time error
@@ -32,9 +39,11 @@ from jax import sharding as jshard
 
 from sharding._errors import SpmdkitError
 
-AXES = ("stage", "data", "fsdp", "tensor")
-# The mesh axes a global batch is split over: every strategy splits it over data x fsdp.
-BATCH_AXES = ("data", "fsdp")
+AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
+# The mesh axes a global batch is split over: every strategy splits it over data x fsdp x expert.
+BATCH_AXES = ("data", "fsdp", "expert")
+# The mesh axis the sequence of every sequence-shaped activation is split over.
+SEQUENCE_AXIS = "context"
 
 
 class MeshSpecError(SpmdkitError):
@@ -46,7 +55,7 @@ class MalformedMeshSpecError(MeshSpecError):
 
 
 class UnknownMeshAxisNameError(MeshSpecError):
-    """The spec names an axis other than stage, data, fsdp, tensor."""
+    """The spec names an axis other than stage, data, fsdp, expert, context, tensor."""
 
 
 class MultipleFillAxesError(MeshSpecError):
@@ -62,12 +71,12 @@ _ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Sizes of the four mesh axes; at most one may be -1 ("whatever is left").
+    """Sizes of the six mesh axes; at most one may be -1 ("whatever is left").
 
     Example:
         >>> spec = MeshSpec.parse("tensor=2,data=2,fsdp=-1")
         >>> spec.resolve(8).sizes
-        {'stage': 1, 'data': 2, 'fsdp': 2, 'tensor': 2}
+        {'stage': 1, 'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2}
         >>> str(spec)
         'data=2,fsdp=-1,tensor=2'
     """
@@ -75,6 +84,8 @@ class MeshSpec:
     stage: int = 1
     data: int = 1
     fsdp: int = 1
+    expert: int = 1
+    context: int = 1
     tensor: int = 1
 
     def __post_init__(self) -> None:
@@ -153,7 +164,7 @@ class MeshSpec:
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Axis sizes in canonical order (stage, data, fsdp, tensor)."""
+        """Axis sizes in canonical order (`AXES`)."""
         return {a: getattr(self, a) for a in AXES}
 
     def __str__(self) -> str:
@@ -188,7 +199,7 @@ class MeshSpec:
         return self
 
     def build(self, devices: list | None = None) -> jshard.Mesh:
-        """A `jax.sharding.Mesh` with the four axes in canonical order, all of type Auto."""
+        """A `jax.sharding.Mesh` with the six axes in canonical order, all of type Auto."""
         devices = list(jax.devices() if devices is None else devices)
         spec = self.resolve(len(devices))
         shape = tuple(spec.sizes.values())
@@ -246,7 +257,7 @@ def make_mesh(
     Example:
         >>> mesh = make_mesh("data=2,fsdp=2,tensor=2")  # doctest: +SKIP
         >>> dict(mesh.shape)  # doctest: +SKIP
-        {'stage': 1, 'data': 2, 'fsdp': 2, 'tensor': 2}
+        {'stage': 1, 'data': 2, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2}
     """
     return MeshSpec.of(spec).build(devices)
 

@@ -126,7 +126,10 @@ def check_batch_split(batch_shapes: dict, mesh_shape: dict[str, int], accum_step
         raise BatchShardingError(f"batch entries disagree on the batch dimension: {sizes}")
     batch = next(iter(sizes.values()))
     split = math.prod(mesh_shape.get(a, 1) for a in BATCH_AXES)
-    split_txt = "x".join(f"{a}={mesh_shape.get(a, 1)}" for a in BATCH_AXES)
+    # The axes that split it, as the user wrote them (the size-1 ones say nothing).
+    split_txt = "x".join(
+        f"{a}={mesh_shape.get(a, 1)}" for a in BATCH_AXES if mesh_shape.get(a, 1) > 1
+    ) or "x".join(f"{a}=1" for a in BATCH_AXES)
     if accum_steps < 1:
         raise AccumulationError(f"accumulation steps must be >= 1, got {accum_steps}")
     if batch % accum_steps:
@@ -143,7 +146,7 @@ def check_batch_split(batch_shapes: dict, mesh_shape: dict[str, int], accum_step
         raise BatchShardingError(
             f"{what} is not divisible by {split_txt} = {split} devices that split the batch; use "
             f"a global batch that is a multiple of {split * accum_steps} "
-            f"(e.g. {_round_up(batch, split * accum_steps)}), or fewer data/fsdp devices"
+            f"(e.g. {_round_up(batch, split * accum_steps)}), or fewer data/fsdp/expert devices"
         )
     return batch
 

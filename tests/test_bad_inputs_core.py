@@ -60,7 +60,7 @@ API = [
         "mesh-unknown-axis",
         lambda: make_mesh("gpu=8"),
         sharding.UnknownMeshAxisNameError,
-        r"unknown axis 'gpu'; the axes are stage, data, fsdp, tensor",
+        r"unknown axis 'gpu'; the axes are stage, data, fsdp, expert, context, tensor",
     ),
     (
         "mesh-two-fills",

@@ -80,7 +80,7 @@ def test_saves_every_n_steps_with_metadata(reference):
         assert ck.steps() == [5, 10]
         meta = ck.meta(5)
     assert (meta.family, meta.size, meta.strategy, meta.step) == ("llama", "tiny", "fsdp", 5)
-    assert meta.mesh == {"stage": 1, "data": 1, "fsdp": 8, "tensor": 1}
+    assert meta.mesh == {"stage": 1, "data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     assert (meta.global_batch, meta.seq_len, meta.accum_steps, meta.devices) == (16, 32, 1, 8)
     assert meta.config["d_model"] == 64 and meta.data == {"path": None, "seed": 0}
     for step in (5, 10):

@@ -24,7 +24,14 @@ def test_explain_json_reports_bytes_per_device(capsys):
     assert main(["explain", "--model", "llama", "--size", "70b", "--mesh", "fsdp=64,tensor=8",
                  "--strategy", "fsdp_tp", "--json"]) == 0  # fmt: skip
     table = json.loads(capsys.readouterr().out)
-    assert table["mesh"] == {"stage": 1, "data": 1, "fsdp": 64, "tensor": 8}
+    assert table["mesh"] == {
+        "stage": 1,
+        "data": 1,
+        "fsdp": 64,
+        "expert": 1,
+        "context": 1,
+        "tensor": 8,
+    }
     assert table["totals"]["parameters"] == 68_976_648_192
     per_device = table["totals"]["param_bytes_per_device"]
     assert per_device == pytest.approx(68_976_648_192 * 4 / 512, rel=0.01)

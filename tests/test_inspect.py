@@ -55,7 +55,14 @@ def test_data_parallel_gradient_is_one_all_reduce_of_every_weight_byte(dp_grad):
     assert dp_grad.collective_bytes("all-reduce", axes="data") == weight_bytes
     assert dp_grad.count("all-gather") == 0
     assert dp_grad.collective_bytes() == weight_bytes
-    assert dp_grad.mesh == {"stage": 1, "data": 8, "fsdp": 1, "tensor": 1}
+    assert dp_grad.mesh == {
+        "stage": 1,
+        "data": 8,
+        "fsdp": 1,
+        "expert": 1,
+        "context": 1,
+        "tensor": 1,
+    }
 
 
 def test_megatron_mlp_forward_all_reduces_the_activation_once_over_tensor():

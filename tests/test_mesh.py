@@ -53,9 +53,9 @@ def test_parse_allows_spaces():
 )
 def test_canonical_order_regardless_of_written_order(text):
     spec = MeshSpec.parse(text)
-    assert list(spec.sizes) == ["stage", "data", "fsdp", "tensor"]
+    assert list(spec.sizes) == ["stage", "data", "fsdp", "expert", "context", "tensor"]
     assert list(spec.sizes) == list(AXES)
-    assert spec.sizes == {"stage": 1, "data": 2, "fsdp": -1, "tensor": 2}
+    assert spec.sizes == {"stage": 1, "data": 2, "fsdp": -1, "expert": 1, "context": 1, "tensor": 2}
     assert str(spec) == "data=2,fsdp=-1,tensor=2"
 
 
@@ -87,7 +87,14 @@ def test_resolve_fills_minus_one():
     spec = MeshSpec.parse("data=2,fsdp=-1,tensor=2,stage=1")
     resolved = spec.resolve(8)
     assert resolved == MeshSpec(data=2, fsdp=2, tensor=2)
-    assert resolved.sizes == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2}
+    assert resolved.sizes == {
+        "stage": 1,
+        "data": 2,
+        "fsdp": 2,
+        "expert": 1,
+        "context": 1,
+        "tensor": 2,
+    }
     assert resolved.size == 8
     assert spec.fsdp == -1  # resolve returns a new spec
 
@@ -95,10 +102,22 @@ def test_resolve_fills_minus_one():
 @pytest.mark.parametrize(
     ("text", "n", "expected"),
     [
-        ("stage=-1", 8, {"stage": 8, "data": 1, "fsdp": 1, "tensor": 1}),
-        ("tensor=-1,data=4", 8, {"stage": 1, "data": 4, "fsdp": 1, "tensor": 2}),
-        ("data=8,fsdp=-1", 8, {"stage": 1, "data": 8, "fsdp": 1, "tensor": 1}),
-        ("stage=2,data=-1,tensor=4", 64, {"stage": 2, "data": 8, "fsdp": 1, "tensor": 4}),
+        ("stage=-1", 8, {"stage": 8, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}),
+        (
+            "tensor=-1,data=4",
+            8,
+            {"stage": 1, "data": 4, "fsdp": 1, "expert": 1, "context": 1, "tensor": 2},
+        ),
+        (
+            "data=8,fsdp=-1",
+            8,
+            {"stage": 1, "data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1},
+        ),
+        (
+            "stage=2,data=-1,tensor=4",
+            64,
+            {"stage": 2, "data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 4},
+        ),
     ],
 )
 def test_resolve_fill_sizes(text, n, expected):
@@ -116,7 +135,14 @@ def test_size_of_unresolved_spec_raises():
 
 
 def test_mesh_sizes_of_spec_and_mesh():
-    assert mesh_sizes(MeshSpec(fsdp=4, tensor=2)) == {"stage": 1, "data": 1, "fsdp": 4, "tensor": 2}
+    assert mesh_sizes(MeshSpec(fsdp=4, tensor=2)) == {
+        "stage": 1,
+        "data": 1,
+        "fsdp": 4,
+        "expert": 1,
+        "context": 1,
+        "tensor": 2,
+    }
     with pytest.raises(MeshSpecError, match=re.escape("fsdp=-1")):
         mesh_sizes(MeshSpec(fsdp=-1))
 
@@ -124,7 +150,14 @@ def test_mesh_sizes_of_spec_and_mesh():
 def test_of_accepts_none_str_dict_and_spec():
     spec = MeshSpec(data=2, tensor=4)
     assert MeshSpec.of(None) == MeshSpec(data=-1)
-    assert MeshSpec.of(None).resolve(8).sizes == {"stage": 1, "data": 8, "fsdp": 1, "tensor": 1}
+    assert MeshSpec.of(None).resolve(8).sizes == {
+        "stage": 1,
+        "data": 8,
+        "fsdp": 1,
+        "expert": 1,
+        "context": 1,
+        "tensor": 1,
+    }
     assert MeshSpec.of("tensor=4,data=2") == spec
     assert MeshSpec.of({"tensor": 4, "data": 2}) == spec
     assert MeshSpec.of(spec) is spec
@@ -190,7 +223,9 @@ def test_three_fill_axes():
 def test_unknown_axis_name():
     with pytest.raises(
         UnknownMeshAxisNameError,
-        match=names_all("'data=2,model=4'", "'model'", "stage, data, fsdp, tensor"),
+        match=names_all(
+            "'data=2,model=4'", "'model'", "stage, data, fsdp, expert, context, tensor"
+        ),
     ):
         MeshSpec.parse("data=2,model=4")
 
@@ -269,11 +304,18 @@ def _ids(mesh):
 
 def test_make_mesh_layout():
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    assert mesh.axis_names == ("stage", "data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2}
-    assert mesh.devices.shape == (1, 2, 2, 2)
-    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 4
-    ids = _ids(mesh)
+    assert mesh.axis_names == ("stage", "data", "fsdp", "expert", "context", "tensor")
+    assert dict(mesh.shape) == {
+        "stage": 1,
+        "data": 2,
+        "fsdp": 2,
+        "expert": 1,
+        "context": 1,
+        "tensor": 2,
+    }
+    assert mesh.devices.shape == (1, 2, 2, 1, 1, 2)
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 6
+    ids = _ids(mesh)[:, :, :, 0, 0, :]  # expert and context have size 1
     assert sorted(ids.ravel().tolist()) == list(range(8))
     # tensor innermost: devices along `tensor` are neighbours.
     assert ids[0, 0, 0, 1] - ids[0, 0, 0, 0] == 1
@@ -291,8 +333,15 @@ def test_make_mesh_written_order_does_not_matter():
 
 def test_make_mesh_default_is_all_data():
     mesh = make_mesh()
-    assert dict(mesh.shape) == {"stage": 1, "data": 8, "fsdp": 1, "tensor": 1}
-    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 4
+    assert dict(mesh.shape) == {
+        "stage": 1,
+        "data": 8,
+        "fsdp": 1,
+        "expert": 1,
+        "context": 1,
+        "tensor": 1,
+    }
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 6
 
 
 def test_make_mesh_with_fill_and_dict():
@@ -300,12 +349,16 @@ def test_make_mesh_with_fill_and_dict():
         "stage": 2,
         "data": 1,
         "fsdp": 1,
+        "expert": 1,
+        "context": 1,
         "tensor": 4,
     }
     assert dict(make_mesh({"fsdp": 4, "data": 2}).shape) == {
         "stage": 1,
         "data": 2,
         "fsdp": 4,
+        "expert": 1,
+        "context": 1,
         "tensor": 1,
     }
 
@@ -313,8 +366,15 @@ def test_make_mesh_with_fill_and_dict():
 def test_make_mesh_on_device_subset():
     devices = jax.devices()[:4]
     mesh = make_mesh("data=2,tensor=-1", devices=devices)
-    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 1, "tensor": 2}
-    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 4
+    assert dict(mesh.shape) == {
+        "stage": 1,
+        "data": 2,
+        "fsdp": 1,
+        "expert": 1,
+        "context": 1,
+        "tensor": 2,
+    }
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 6
     assert set(mesh.devices.ravel().tolist()) == set(devices)
     with pytest.raises(MeshSizeMismatchError, match=names_all("data=8", "4 are available")):
         make_mesh("data=8", devices=devices)

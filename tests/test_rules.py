@@ -237,7 +237,7 @@ def test_strategy_batch_and_layers(name):
     from sharding import BATCH_AXES
 
     assert "batch" not in m
-    assert BATCH_AXES == ("data", "fsdp")
+    assert BATCH_AXES == ("data", "fsdp", "expert")
     if name.startswith("pp"):
         assert m["layers"] == "stage"
     else:

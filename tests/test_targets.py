@@ -1,7 +1,7 @@
 """Targets: the shipped device profiles, target parsing, TOML profiles, and meshes laid on nodes.
 
 Topology facts are hand-derived from the device order `make_mesh` uses: ids row-major over
-(stage, data, fsdp, tensor), node k holding ids k * per_node .. (k + 1) * per_node - 1.
+(stage, data, fsdp, expert, context, tensor), node k holding ids k * per_node .. (k + 1) * per_node - 1.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def test_tensor_and_fsdp_across_nodes_are_flagged():
 
 def test_stage_outermost_crosses_nodes_and_fill_axis_resolves():
     topo = target("h100:2x8").topology("stage=2,tensor=-1")
-    assert topo.sizes == {"stage": 2, "data": 1, "fsdp": 1, "tensor": 8}
+    assert topo.sizes == {"stage": 2, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 8}
     assert topo.group("stage").nodes == 2 and topo.group("tensor").inside_node
     assert topo.group(()).size == 1 and topo.group(()).inside_node
     data = json.loads(json.dumps(topo.to_dict()))

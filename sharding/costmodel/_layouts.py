@@ -58,7 +58,7 @@ class Layout:
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Every mesh axis' size, in canonical order (stage, data, fsdp, tensor)."""
+        """Every mesh axis' size, in canonical order (`sharding.AXES`)."""
         return MeshSpec.of(self.mesh).sizes
 
     def pipeline(self) -> PipelineSpec | None:

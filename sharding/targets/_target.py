@@ -6,7 +6,7 @@ on one node, refused if they do not fit one), ``NAME:NODESxPER`` and ``path/to/p
 `ALIASES` spelling.
 
 `Topology` lays a mesh on the target's nodes the way `sharding.make_mesh` orders devices: device
-ids row-major over ``AXES`` (stage, data, fsdp, tensor; tensor innermost), node k holding ids
+ids row-major over ``AXES`` (stage, data, fsdp, expert, context, tensor; tensor innermost), node k holding ids
 ``k * per_node ... (k + 1) * per_node - 1``. A collective over a set of axes runs in groups of
 devices that differ only along those axes; a group is priced at the slowest link it crosses,
 the inter-node one as soon as two of its devices sit on different nodes.
