@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import kernels
+
 __all__ = [
     "Dense",
     "Embed",
@@ -215,10 +217,13 @@ class SelfAttention(nnx.Module):
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         q_BSNH, k_BSKH, v_BSKH = self.q(x_BSD), self.k(x_BSD), self.v(x_BSD)
         if self.rope_theta is not None:
-            positions_S = jnp.arange(x_BSD.shape[1])
+            # Through the kernel seam: a caller that reorders the sequence (context-parallel
+            # load balancing) says where each slot really sits.
+            positions_S = kernels.resolve("positions", kernels.default_positions)(x_BSD.shape[1])
             q_BSNH = rope(q_BSNH, positions_S, self.rope_theta)
             k_BSKH = rope(k_BSKH, positions_S, self.rope_theta)
-        return self.o(causal_attention(q_BSNH, k_BSKH, v_BSKH))
+        attend = kernels.resolve("attention", causal_attention)
+        return self.o(attend(q_BSNH, k_BSKH, v_BSKH))
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

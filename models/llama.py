@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import _config
+from models import _config, kernels
 from models._errors import ModelConfigError
 from models.layers import (
     Dense,
@@ -50,6 +50,8 @@ from models.layers import (
 # The batch entry that `Model.__call__` takes (the rest feed the loss).
 NAME = "llama"  # the family name partition_rules presets are keyed by
 INPUT = "inputs"
+# The kernel seam (`models.kernels`): a trainer may run attention distributed inside it.
+use_kernels = kernels.use
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -134,4 +134,11 @@ def build_program(
         pipeline=pipeline,
         stack=work.stack,
         check_batch=work.check_batch,
+        kernels=step_kernels(work, mesh),
+        use_kernels=work.kernels,
     )
+
+
+def step_kernels(work: Workload, mesh: jshard.Mesh) -> dict:
+    """The distributed kernels a mesh calls for (``{name: fn}``, empty when none does)."""
+    return {}

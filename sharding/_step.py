@@ -9,7 +9,7 @@ shardings, and the model code never changes between strategies.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +173,8 @@ def compile_train_step(
     pipeline: PipelineSpec | None = None,
     stack: str | None = None,
     check_batch: Callable[[dict], None] | None = None,
+    kernels: Mapping[str, Callable] | None = None,
+    use_kernels: Callable[..., Any] | None = None,
 ) -> TrainProgram:
     """Build the sharded training step of a model under (rules, axis_map) on `mesh`.
 
@@ -199,6 +201,9 @@ def compile_train_step(
             pin activations between layers, apply ``remat`` and pipeline; None: no stack.
         check_batch: ``batch -> None``, raising for a host batch the model cannot take (token
             ids outside the vocabulary); `TrainProgram.shard_batch` calls it.
+        kernels: ``{name: fn}`` distributed kernels (context-parallel attention, expert-parallel
+            experts) that replace the model's own while the loss is traced, through
+            ``use_kernels`` (the workload's `models.kernels.use`); None: the model's own.
 
     Example (with ``llama`` the model family module ``models.llama``):
         >>> from partition_rules import preset
@@ -221,6 +226,12 @@ def compile_train_step(
     if check_batch is not None:
         check_callable(fn, "check_batch", check_batch, "a function batch -> None, or None")
     check_clip(fn, clip_norm)
+    if kernels and use_kernels is None:
+        raise StepConfigError(
+            f"{fn}(kernels={sorted(kernels)}): substituting the model's kernels needs the model's "
+            f"hook, use_kernels= (models.kernels.use for models built from models.layers; a "
+            f"Workload passes its own kernels field)"
+        )
     if pipeline is not None and not isinstance(pipeline, PipelineSpec):
         raise StepConfigError(
             f"{fn}(pipeline={pipeline!r}): expected a sharding.pipeline.PipelineSpec or None, e.g. "
@@ -285,6 +296,12 @@ def compile_train_step(
         return {"params": p, "opt_state": optimizer.init(p), "step": jnp.zeros((), jnp.int32)}
 
     def micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
+        if not kernels:
+            return _micro_loss(p, micro)
+        with use_kernels(**kernels):
+            return _micro_loss(p, micro)
+
+    def _micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
         cast = jax.tree.map(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
         )

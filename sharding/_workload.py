@@ -14,7 +14,11 @@ What a model must provide, and nothing more:
   every shipped strategy applies to your table (`partition_rules.strategy`);
 - optionally ``stack``: the module path of the layer stack (built with
   `models.layers.make_stacked`, called once as ``self.blocks(h, *extras)``): needed for
-  pipelines and remat, which spmdkit applies through that call.
+  pipelines and remat, which spmdkit applies through that call;
+- optionally ``kernels``: a context manager factory ``kernels(**{name: fn})`` under which the
+  model's attention / expert layers run the given kernels (`models.kernels.use` for models built
+  from `models.layers`): needed for context and expert parallelism, which spmdkit applies by
+  substituting distributed kernels while it traces the loss.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class Workload:
         make_batch: ``(batch, seq, key) -> {name: array}`` synthetic data for measuring and
             smoke runs (default: zeros of `batch_shapes`).
         check_batch: ``batch -> None`` raising for a host batch the model cannot take.
+        kernels: ``(**{name: fn}) -> context manager`` substituting the model's kernels
+            (`models.kernels.use`), or None (no context or expert parallelism).
         family, config: set for the shipped families (closed-form cost predictions).
     """
 
@@ -69,6 +75,7 @@ class Workload:
     seq: int | None = None
     make_batch: Callable[[int, int | None, jax.Array], dict] | None = None
     check_batch: Callable[[dict], None] | None = None
+    kernels: Callable[..., Any] | None = None
     family: Any = None
     config: Any = None
 
@@ -88,6 +95,11 @@ class Workload:
             raise WorkloadError(
                 f"Workload({self.name!r}).stack is {self.stack!r}; give the module path of the "
                 f"layer stack, e.g. 'layers' or 'decoder/blocks', or None"
+            )
+        if self.kernels is not None and not callable(self.kernels):
+            raise WorkloadError(
+                f"Workload({self.name!r}).kernels is {self.kernels!r}; give a context manager "
+                f"factory (**{{name: fn}}) -> with-block, e.g. models.kernels.use, or None"
             )
 
     @property
@@ -133,6 +145,7 @@ class Workload:
             seq=min(seq, 128) if seq else None,
             make_batch=lambda b, s, key: family.make_batch(cfg, b, s, key=key),
             check_batch=lambda batch: family.check_batch(cfg, batch),
+            kernels=getattr(family, "use_kernels", None),
             family=family,
             config=cfg,
         )
