@@ -178,15 +178,17 @@ def test_ticks_permute_bytes_and_one_gradient_reduction(schedule, p, m, r, ticks
 
 def test_explicit_schedules_hold_a_bounded_number_of_micro_batches():
     """Compiled temporaries (p=4, data=2, one sequence per micro-batch and device): fused 1F1B
-    keeps at most 2p-1 micro-batches' residuals whatever m, so from m=8 to m=32 it grows only by
-    the whole-batch stack input and its gradient (2 activations per extra micro-batch, which
-    every schedule holds); GPipe without remat keeps all m. zb-h1 holds no more than 1f1b."""
+    keeps at most 2p-1 micro-batches' residuals whatever m, and the first stage embeds each
+    micro-batch itself (no whole-batch stack input or its gradient), so its temporaries are flat
+    in m: within 5% from m=8 to m=32. GPipe without remat keeps all m. zb-h1 holds no more
+    than 1f1b."""
     temp = {}
-    for schedule, m in (("1f1b", 8), ("1f1b", 32), ("gpipe", 8), ("gpipe", 32), ("zb-h1", 32)):
+    for schedule, m in (("1f1b", 8), ("1f1b", 16), ("1f1b", 32), ("gpipe", 8), ("gpipe", 32),
+                        ("zb-h1", 32)):  # fmt: skip
         prog = program("pp", "stage=4,data=2", schedule, m, batch=2 * m)
         temp[schedule, m] = prog.report().memory.temp
+    assert max(temp["1f1b", m] for m in (8, 16, 32)) <= 1.05 * temp["1f1b", 8]
     activation = 1 * SEQ * CFG.d_model * F32
-    assert temp["1f1b", 32] - temp["1f1b", 8] <= 2.5 * activation * (32 - 8)
     assert temp["gpipe", 32] - temp["gpipe", 8] >= 10 * activation * (32 - 8)
     assert temp["zb-h1", 32] <= temp["1f1b", 32]
 
@@ -258,7 +260,12 @@ def test_pp_fsdp_gathers_each_stage_once_per_step(schedule):
     gathers = [op for op in report.collectives if op.kind == "all-gather" and op.axes == ("fsdp",)]
     whole = [op for op in gathers if op.shape.startswith(("f32[2,", "bf16[2,"))]
     assert sum(op.multiplicity for op in whole) == stack_arrays  # [L/p, ...] each, once
-    assert all(op.multiplicity == 1 for op in gathers)  # nothing gathered per tick
+    # No weight is gathered per tick. The explicit schedules' first stage embeds each
+    # micro-batch itself, and the embedding's backward gathers that micro-batch's rows (token
+    # ids and their gradient, rows split over fsdp) to scatter into the table.
+    rows = 16 // 4  # one micro-batch on one data replica
+    per_tick = {op.shape for op in gathers if op.multiplicity > 1}
+    assert per_tick <= {f"f32[{rows},{SEQ},{CFG.d_model}]", f"s32[{rows},{SEQ},1]"}
     assert_matches_reference(prog)
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax import sharding as jshard
 
+from sharding._mesh import BATCH_AXES
 from sharding._stack import LayerFn
 from sharding.pipeline._kinds import IDLE, Kind
 from sharding.pipeline._layers import Layers, uniform
@@ -38,6 +39,8 @@ from sharding.pipeline._schedule import Schedule
 from sharding.pipeline._split import Split
 
 P = jshard.PartitionSpec
+# The batch axes a pipeline's shard_map leaves automatic (``data`` is manual in it).
+AUTO_BATCH_AXES = tuple(a for a in BATCH_AXES if a != "data")
 
 
 def varying(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
@@ -94,9 +97,9 @@ def explicit_pipeline(
     layer_fn: LayerFn,
     wrap: Callable | None,
     head_loss: Callable[[Any, jax.Array, Any], jax.Array],
+    embed: Callable[[Any, Any], jax.Array],
     layers: Any,
     rest: Any,
-    h_m: jax.Array,
     extras_m: list[jax.Array],
     batch_m: Any,
     *,
@@ -104,19 +107,21 @@ def explicit_pipeline(
     schedule: Schedule,
     valid: np.ndarray | None = None,
 ) -> jax.Array:
-    """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest`, `h_m` and the
+    """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest` and the
     floating-point `extras_m`.
 
     Args:
         layer_fn: ``(layer_state, h, extras_i) -> h``, one layer; ``wrap``: its remat policy.
         head_loss: ``(rest, y, batch_i) -> loss of micro-batch i`` (what follows the stack).
+        embed: ``(rest, batch_i) -> x``, the stack's input for micro-batch i (what precedes the
+            stack), run by the first stage in its forward and differentiated in its backward.
         layers: the stacked layers viewed as ``[p, r, Lr, ...]`` (stage s, chunk c holds
             virtual stage ``c*p + s``), sharded over ``stage``.
         valid: ``[p, r, Lr]`` bools for balanced stages: False marks a spare layer slot (see
             `sharding.pipeline._balance`); None when every stage has ``Lr`` layers.
         rest: every other parameter (head, norms, embeddings), replicated over ``stage``.
-        h_m: the stack's input as micro-batches ``[m, b, ...]``; extras_m: its extra inputs,
-            each ``[m, b, ...]``; batch_m: the batch as ``[m, b, ...]``.
+        extras_m: the stack's extra inputs, each ``[m, b, ...]``; batch_m: the batch as
+            ``[m, b, ...]``.
     """
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
     fixed = [x for x, f in zip(extras_m, floats, strict=True) if not f]
@@ -125,41 +130,41 @@ def explicit_pipeline(
         it_f, it_x = iter(fex), iter(fixed)
         return [next(it_f) if f else next(it_x) for f in floats]
 
-    def run(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> tuple[jax.Array, tuple]:
+    def run(layers: Any, rest: Any, fex: list) -> tuple[jax.Array, tuple]:
         layer_specs = jax.tree.map(lambda _: P("stage"), layers)
         micro = P(None, "data")
-        body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, schedule,
-                                 floats, valid)  # fmt: skip
+        body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, embed,
+                                 schedule, floats, valid)  # fmt: skip
         return jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(layer_specs, jax.tree.map(lambda _: P(), rest), micro,
+            in_specs=(layer_specs, jax.tree.map(lambda _: P(), rest),
                       [micro] * len(extras_m), jax.tree.map(lambda _: micro, batch_m)),
-            out_specs=(P(), (layer_specs, jax.tree.map(lambda _: P(), rest), micro,
+            out_specs=(P(), (layer_specs, jax.tree.map(lambda _: P(), rest),
                              [micro] * len(fex))),
             axis_names={"stage", "data"},
-        )(layers, rest, h_m, merged(fex), batch_m)  # fmt: skip
+        )(layers, rest, merged(fex), batch_m)  # fmt: skip
 
     @jax.custom_vjp
-    def loss(layers: Any, rest: Any, h_m: jax.Array, fex: list) -> jax.Array:
-        return run(layers, rest, h_m, fex)[0]
+    def loss(layers: Any, rest: Any, fex: list) -> jax.Array:
+        return run(layers, rest, fex)[0]
 
     def bwd(grads: tuple, g: jax.Array) -> tuple:
         return jax.tree.map(lambda x: (g * x).astype(x.dtype), grads)
 
     loss.defvjp(run, bwd)
-    return loss(layers, rest, h_m, [x for x, f in zip(extras_m, floats, strict=True) if f])
+    return loss(layers, rest, [x for x, f in zip(extras_m, floats, strict=True) if f])
 
 
 def _body(
     chunk: Layers,
     head_loss: Callable,
+    embed: Callable,
     schedule: Schedule,
     floats: list[bool],
     valid_tab: np.ndarray | None,
     layers: Any,
     rest: Any,
-    h_m: jax.Array,
     extras_m: list,
     batch_m: Any,
 ) -> tuple[jax.Array, tuple]:
@@ -172,10 +177,16 @@ def _body(
     # and over stage for `rest`) then run once per step.
     w = jax.tree.map(lambda a: varying(a[0], "data"), layers)  # this stage's [v, Lr, ...]
     rest = jax.tree.map(lambda a: varying(a, ("stage", "data")), rest)
-    h_m = varying(h_m, "stage")
     extras_m = [varying(a, "stage") for a in extras_m]
     batch_m = jax.tree.map(lambda a: varying(a, "stage"), batch_m)
-    zero_x = jnp.zeros_like(h_m[0])
+    batch0 = jax.tree.map(lambda a: a[0], batch_m)
+    x_shape = jax.eval_shape(embed, rest, batch0)
+    zero_x = varying(jnp.zeros(x_shape.shape, x_shape.dtype), ("stage", "data"))
+
+    def rows(fn: Callable) -> Callable:
+        """``fn`` with its output's rows kept split over the automatic batch axes (fsdp, expert),
+        as the stage's activations are: otherwise XLA may compute it whole on every device."""
+        return lambda *a: lax.with_sharding_constraint(fn(*a), P(AUTO_BATCH_AXES))
 
     def inputs(i: jax.Array) -> tuple[list, list]:
         """Micro-batch i's extra inputs: (the differentiable ones, the others in order)."""
@@ -209,12 +220,14 @@ def _body(
     def forward(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         i, k = tab["F.micro"][t, sid], tab["F.chunk"][t, sid]
         first, last = (sid == 0) & (k == 0), (sid == p - 1) & (k == v - 1)
-        x = jnp.where(first, h_m[i], c["act"][jnp.maximum(tab["F.act"][t, sid], 0)])
+        batch_i = jax.tree.map(lambda a: a[i], batch_m)
+        with jax.named_scope("pipeline_embed"):  # the first stage computes its micro-batch's input
+            x = lax.cond(first, uniform(rows(embed)), uniform(lambda r_, b_: zero_x), rest,
+                         batch_i)  # fmt: skip
+        x = jnp.where(first, x, c["act"][jnp.maximum(tab["F.act"][t, sid], 0)])
         fex, ex = inputs(i)
         y, res = chunk.forward(weights(k), x, fex, ex, valid(k))
         c = {**c, "res": put(c["res"], tab["F.res"][t, sid], res)}
-
-        batch_i = jax.tree.map(lambda a: a[i], batch_m)
         if split:  # the head's weight gradient waits for W, like the layers'
             with jax.named_scope("pipeline_head"):
                 value, dy, kept = lax.cond(last, uniform(head_b), uniform(no_head_b),
@@ -249,7 +262,17 @@ def _body(
         else:
             c["gw"] = jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], out)
         first = (sid == 0) & (k == 0)
-        c["dh"] = jnp.where(first, c["dh"].at[i].set(dx), c["dh"])
+        batch_i = jax.tree.map(lambda a: a[i], batch_m)
+
+        def embed_grad(r: Any, b: Any, g: jax.Array) -> Any:
+            g = lax.with_sharding_constraint(g.astype(x_shape.dtype), P(AUTO_BATCH_AXES))
+            return jax.vjp(lambda r_: rows(embed)(r_, b), r)[1](g)[0]
+
+        with jax.named_scope("pipeline_embed"):  # ... and its gradient, from the input gradient
+            drest = lax.cond(first, uniform(embed_grad),
+                             uniform(lambda r_, b_, g_: jax.tree.map(jnp.zeros_like, r_)),
+                             rest, batch_i, dx)  # fmt: skip
+        c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
         c["dex"] = [acc.at[i].add(d) for acc, d in zip(c["dex"], dfex, strict=True)]
         return c, dx
 
@@ -296,12 +319,10 @@ def _body(
         "res": ring(n.residuals, res_shapes),
         "gw": jax.tree.map(jnp.zeros_like, w),
         "grest": jax.tree.map(jnp.zeros_like, rest),
-        "dh": jnp.zeros_like(h_m),
         "dex": [jnp.zeros_like(a) for a, f in zip(extras_m, floats, strict=True) if f],
         "loss": lax.pcast(jnp.zeros((), jnp.float32), ("stage", "data"), to="varying"),
     }
     if split:  # what follows the stack, its VJP cut in two like a layer's (`Split`)
-        batch0 = jax.tree.map(lambda a: a[0], batch_m)
 
         def head_split() -> Split:
             def vjp(r: Any, y: jax.Array, b: Any) -> list:
@@ -340,10 +361,9 @@ def _body(
     value = lax.psum(carry["loss"], ("stage", "data")) / n_data
     gw = jax.tree.map(lambda g: psum32(g, "data")[None] / n_data, carry["gw"])
     grest = jax.tree.map(lambda g: psum32(g, ("stage", "data")) / n_data, carry["grest"])
-    dh = psum32(carry["dh"], "stage") / n_data
     # Every stage reads the extra inputs: their gradients add up over stages.
     dex = [psum32(g, "stage") / n_data for g in carry["dex"]]
-    return value, (gw, grest, dh, dex)
+    return value, (gw, grest, dex)
 
 
 __all__ = ["explicit_pipeline", "psum32", "tables", "varying"]

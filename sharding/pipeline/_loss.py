@@ -182,9 +182,15 @@ def _loss_explicit(
         _only_call(calls, stack)
         return value
 
-    h_m = to_microbatches(call.h, m, mesh)
+    def embed(rest: Any, batch_i: dict, stack_state: Any = layer_shapes) -> jax.Array:
+        """The stack's input for one micro-batch: the loss up to the stack (XLA drops the rest)."""
+        model_i = nnx.merge(graphdef, join_state(stack_state, rest, stack))
+        with taken_over(model_i, stack, lambda c: c.h) as calls:
+            loss_fn(model_i, batch_i)
+        return _only_call(calls, stack).h
+
     batch_m = {k: to_microbatches(v, m, mesh) for k, v in batch.items()}
-    y_i = jax.ShapeDtypeStruct(h_m.shape[1:], h_m.dtype)
+    y_i = jax.ShapeDtypeStruct((call.h.shape[0] // m, *call.h.shape[1:]), call.h.dtype)
     b_i = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch_m.items()}
     if reads_inputs(lambda st, r, y, b: head_loss(r, y, b, st), (call.state, rest, y_i, b_i)):
         raise PipelineConfigError(
@@ -195,7 +201,16 @@ def _loss_explicit(
             f"which run the loss exactly as written"
         )
     extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
-    return explicit_pipeline(extras.layer_fn(call), wrap, head_loss, layers, rest, h_m,
+    # What precedes the stack runs per micro-batch on the first stage, so no activation of the
+    # whole batch is ever held: the step's temporaries stay flat in the micro-batch count.
+    if reads_inputs(lambda st, r, b: embed(r, b, st), (call.state, rest, b_i)):
+        raise PipelineConfigError(
+            f"the stack {stack!r}'s input is computed from the stack's own weights; "
+            f"{schedule.name} computes it per micro-batch on the first stage, which holds only "
+            f"its own layers. Compute the input without the layer weights, or use schedule "
+            f"'gpipe' or 'circular', which run the loss exactly as written"
+        )
+    return explicit_pipeline(extras.layer_fn(call), wrap, head_loss, embed, layers, rest,
                              extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid)  # fmt: skip
 
 
