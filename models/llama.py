@@ -92,7 +92,7 @@ class Config:
 SIZES: dict[str, Config] = {
     "tiny": Config(
         name="tiny", vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=4,
-        head_dim=8, d_ff=128, max_seq_len=128,
+        head_dim=8, d_ff=128, max_seq_len=4096,
     ),
     "maxtext-tiny": Config(
         name="maxtext-tiny", vocab_size=1024, d_model=256, n_layers=8, n_heads=4, n_kv_heads=4,
@@ -112,6 +112,12 @@ SIZES: dict[str, Config] = {
     "8b": Config(
         name="8b", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
         head_dim=128, d_ff=14_336, max_seq_len=8192, rope_theta=500_000.0,
+    ),
+    # Llama-3.1-8B's shape at its 128k context, for planning long sequences (context
+    # parallelism). Its rope scaling is not modelled: it costs nothing and changes no shape.
+    "8b-128k": Config(
+        name="8b-128k", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        head_dim=128, d_ff=14_336, max_seq_len=131_072, rope_theta=500_000.0,
     ),
     # Llama-2-70B.
     "70b": Config(

@@ -18,7 +18,7 @@ ROWS = [
     ("compare --warmup 2", r"--warmup: renamed: use --warmup-steps 2"),
     ("compare --batch 0", r"--batch: 0 must be >= 1"),
     ("compare --seq 0", r"--seq: 0 must be >= 1"),
-    ("compare --seq 4096", r"--seq 4096: llama tiny holds at most 128 positions; use --seq 128"),
+    ("compare --seq 8192", r"--seq 8192: llama tiny holds at most 4096 positions; use --seq 4096"),
     ("compare --memory 80i", r"--memory '80i': cannot read '80i' as a size.*'80GB'"),
     ("compare --memory 0", r"--memory '0': give the memory per device.*--memory 80GB"),
     (

@@ -87,7 +87,7 @@ BAD = {
         ["--data-dtype", "uint16"],
         r"--data-dtype uint16 .*no --data FILE is given",
     ),
-    "seq-over-max": (["--seq", "129"], r"--seq 129: .*max_seq_len=128; use --seq 128 or less"),
+    "seq-over-max": (["--seq", "4097"], r"--seq 4097: .*max_seq_len=4096; use --seq 4096 or less"),
 }
 
 

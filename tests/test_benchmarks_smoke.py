@@ -177,8 +177,8 @@ def test_mfu_says_when_no_size_fits(tmp_path):
     argv = ["--size", "maxtext-tiny", "--memory", "1MB", "--out", str(tmp_path)]
     with pytest.raises(mfu.NoSizeFitsError, match=r"fits 977 KiB .*: the smallest needs 102 MiB"):
         mfu.main(argv)
-    with pytest.raises(mfu.NoSizeFitsError, match=r"seq 256 > max_seq_len 128"):
-        mfu.main(["--size", "tiny", "--out", str(tmp_path)])
+    with pytest.raises(mfu.NoSizeFitsError, match=r"seq 5000 > max_seq_len 4096"):
+        mfu.main(["--size", "tiny", "--seq", "5000", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize(

@@ -79,8 +79,8 @@ def test_train_token_ids_beyond_the_vocabulary(tmp_path, capsys):
 
 
 def test_train_sequence_longer_than_the_model(tmp_path, capsys):
-    assert train(tmp_path, "--steps", "1", "--seq", "129") == 2
-    assert "seq_len=129 > max_seq_len=128" in capsys.readouterr().err
+    assert train(tmp_path, "--steps", "1", "--seq", "4097") == 2
+    assert "seq_len=4097 > max_seq_len=4096" in capsys.readouterr().err
 
 
 def test_train_batch_not_divisible(tmp_path, capsys):

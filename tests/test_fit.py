@@ -134,7 +134,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_step(tmp_path):
         ({"batch": True}, InvalidSettingError, r"--batch True"),
         ({"resume": "newest"}, InvalidSettingError, r"--resume 'newest'"),
         ({"size": "huge"}, InvalidSettingError, r"--size 'huge': llama has no such size; .*tiny"),
-        ({"seq": 129}, TrainingError, r"--seq 129: .*max_seq_len=128; use --seq 128 or less"),
+        ({"seq": 4097}, TrainingError, r"--seq 4097: .*max_seq_len=4096; use --seq 4096 or less"),
         ({"elastic": "keep-batch", "checkpoint_dir": "ck"}, ConflictingSettingsError, r"--resume"),
         ({"data_dtype": "uint16"}, ConflictingSettingsError, r"no --data FILE"),
         ({"metrics": "nowhere/m.jsonl"}, OutputPathError, r"nowhere does not exist"),

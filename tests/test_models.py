@@ -344,14 +344,15 @@ def test_gpt2_head_is_tied_to_token_embedding():
 @pytest.mark.parametrize("name", LMS)
 def test_sequence_longer_than_max_is_rejected(name):
     fam, cfg, model, _ = tiny(name)
-    msg = r"sequence longer than the model supports: seq_len=129 > max_seq_len=128"
+    over = cfg.max_seq_len + 1
+    msg = rf"sequence longer than the model supports: seq_len={over} > max_seq_len={over - 1}"
     with pytest.raises(ValueError, match=msg):
-        fam.batch_shapes(cfg, 2, 129)
+        fam.batch_shapes(cfg, 2, over)
     with pytest.raises(ValueError, match=msg):
-        fam.make_batch(cfg, 2, 129)
+        fam.make_batch(cfg, 2, over)
     if name == "gpt2":  # learned positions: the forward itself cannot run past max_seq_len
         with pytest.raises(ValueError, match=msg):
-            model.embed(jnp.zeros((1, 129), jnp.int32))
+            model.embed(jnp.zeros((1, over), jnp.int32))
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
