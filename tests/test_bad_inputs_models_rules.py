@@ -130,7 +130,7 @@ CASES = [
     ("family-unknown", lambda t: lambda: get_family("bert"), UnknownFamilyError,
      r"unknown model family 'bert'; known families: 'llama', 'gpt2', 'mlp', 'cnn'"),
     ("size-unknown", lambda t: lambda: llama.config("huge"), ModelConfigError,
-     r"unknown llama size 'huge'; known sizes: 'tiny', 'maxtext-tiny', '1b', '7b', '8b', '70b'$"),
+     r"unknown llama size 'huge'; known sizes: 'tiny', 'maxtext-tiny', '1b', '7b', '8b', '8b-128k', '70b'$"),
     ("layers-zero", lambda t: lambda: llama.config("tiny", n_layers=0), ModelConfigError,
      r"llama config 'tiny': must be positive ints: n_layers=0; use whole numbers >= 1"),
     ("sizes-negative", lambda t: lambda: gpt2.config("tiny", d_model=-64, d_ff=-1),
@@ -142,8 +142,8 @@ CASES = [
     ("rope-theta-nan", lambda t: lambda: llama.config("tiny", rope_theta=float("nan")),
      ModelConfigError, r"must be finite numbers > 0: rope_theta=nan"),
     # --- batches --------------------------------------------------------------------------------
-    ("seq-over-max", lambda t: lambda: llama.batch_shapes(LLAMA_TINY, 2, 129), BatchError,
-     r"seq_len=129 > max_seq_len=128 of llama 'tiny'; use a sequence length <= 128$"),
+    ("seq-over-max", lambda t: lambda: llama.batch_shapes(LLAMA_TINY, 2, 4097), BatchError,
+     r"seq_len=4097 > max_seq_len=4096 of llama 'tiny'; use a sequence length <= 4096$"),
     ("batch-size-zero", lambda t: lambda: llama.make_batch(LLAMA_TINY, 0, 16), BatchError,
      r"batch size 0 for llama 'tiny': .*use a batch size >= 1"),
     ("tokens-past-vocab", lambda t: lambda: llama.check_batch(
