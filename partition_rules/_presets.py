@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from partition_rules import cnn, gpt2, llama, mlp
+from partition_rules import cnn, gpt2, llama, llama_moe, mlp
 from partition_rules._rules import AxisMap, MeshAxes, PartitionRulesError, Rules, UnknownPresetError
 from partition_rules.strategies import STRATEGIES
 
@@ -17,6 +17,7 @@ FAMILY_RULES: dict[str, Rules] = {
     "gpt2": gpt2.RULES,
     "mlp": mlp.RULES,
     "cnn": cnn.RULES,
+    "llama-moe": llama_moe.RULES,
 }
 
 
@@ -64,6 +65,12 @@ def strategy(name: str, **names: str | tuple[str, ...]) -> AxisMap:
     base = STRATEGIES[name]
     if not names:
         return base
+    if "sequence" in names:  # the step compiler reads it by this name: renamed, it would vanish
+        raise AxisRenameError(
+            f"strategy({name!r}, sequence={names['sequence']!r}): 'sequence' names no parameter "
+            f"dimension (it says where the activations' sequence goes) and cannot be renamed; "
+            f"drop sequence= and rename only the axes your rule table uses"
+        )
     renamed = _user_names(name, base, names)
     kept = {k: v for k, v in base.items() if k not in names and k not in renamed}
     return AxisMap({**kept, **renamed})

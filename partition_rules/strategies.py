@@ -3,8 +3,10 @@
 Mesh axes: ``data`` (replicas; batch split), ``fsdp`` (batch split *and* parameters sharded,
 ZeRO-3), ``tensor`` (Megatron: heads, MLP hidden and vocabulary split inside each layer), ``stage``
 (pipeline: the stacked ``layers`` axis split into stages). Axes of size 1 are allowed everywhere, so
-one strategy serves every mesh shape. Strategies place parameters only: the batch is split over
-``("data", "fsdp")`` by the step compiler (`sharding.BATCH_AXES`), whatever the strategy.
+one strategy serves every mesh shape. Strategies place parameters, plus one activation axis:
+the batch is split over the batch axes by the step compiler (`sharding.BATCH_AXES`), whatever the
+strategy, and ``"sequence"`` says where the sequence of the stack's activations (and of the batch)
+goes: ``tensor`` (Megatron sequence parallelism, tp_sp) or ``context`` (context parallelism, cp).
 
 Per-feature vectors (``norm``: norm scales, output biases of width d_model) are sharded over
 ``fsdp`` (ZeRO-3 shards everything) and replicated otherwise: under tensor or pipeline
@@ -43,6 +45,11 @@ LOGICAL_AXES = (
     "conv_out",
     "kernel_h",
     "kernel_w",
+    # An activation axis: it names no parameter dimension. It says where the sequence dimension
+    # of the stack's activations and of the batch goes (dim 1 of ``h[B, S, D]`` and of the token
+    # arrays): ``"tensor"`` is Megatron sequence parallelism, ``"context"`` context parallelism.
+    "sequence",
+    "experts",  # a mixture of experts' expert dimension (llama-moe's [E, D, F] weights)
 )
 
 _REPLICATED = AxisMap({name: None for name in LOGICAL_AXES})
@@ -55,6 +62,16 @@ _FSDP = AxisMap({"embed": "fsdp", "features": "fsdp", "conv_out": "fsdp", "norm"
 _TP = AxisMap({"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                "classes": "tensor"})  # fmt: skip
 _PP = AxisMap({"layers": "stage"})
+# Megatron SP: between the tensor-parallel matmuls (norms, residual adds) each tensor device
+# holds S/t of the sequence, so the per-layer all-reduce becomes all-gather + reduce-scatter.
+_SP = AxisMap({"sequence": "tensor"})
+# Context parallelism: the batch and every activation split over the sequence on `context`.
+_CP = AxisMap({"sequence": "context"})
+# Both: the sequence over context everywhere, and over tensor too between the matmuls.
+_CP_SP = AxisMap({"sequence": ("context", "tensor")})
+# Expert parallelism: each expert's weights live on one `expert` device; tokens travel to them
+# by all-to-all (the batch is split over `expert` too, `sharding.BATCH_AXES`).
+_EP = AxisMap({"experts": "expert"})
 
 
 def _strategy(*blocks: AxisMap) -> AxisMap:
@@ -73,6 +90,14 @@ DP_TP = _strategy(_TP)  # same map as TP: the mesh (data>1) makes it a hybrid
 PP = _strategy(_PP)
 PP_TP = _strategy(_PP, _TP)
 PP_FSDP = _strategy(_PP, _FSDP)
+TP_SP = _strategy(_TP, _SP)
+FSDP_TP_SP = _strategy(_FSDP, _TP, _SP)
+CP = _strategy(_CP)
+FSDP_CP = _strategy(_FSDP, _CP)
+CP_TP_SP = _strategy(_TP, _CP_SP)
+EP = _strategy(_EP)
+FSDP_EP = _strategy(_FSDP, _EP)
+EP_TP = _strategy(_EP, _TP)
 
 STRATEGIES: dict[str, AxisMap] = {
     "dp": DP,
@@ -83,6 +108,14 @@ STRATEGIES: dict[str, AxisMap] = {
     "pp": PP,
     "pp_tp": PP_TP,
     "pp_fsdp": PP_FSDP,
+    "tp_sp": TP_SP,
+    "fsdp_tp_sp": FSDP_TP_SP,
+    "cp": CP,
+    "fsdp_cp": FSDP_CP,
+    "cp_tp_sp": CP_TP_SP,
+    "ep": EP,
+    "fsdp_ep": FSDP_EP,
+    "ep_tp": EP_TP,
 }
 
 # A mesh of 8 devices that suits each strategy on every family's tiny size (llama tiny has 8 query
@@ -96,6 +129,14 @@ EXAMPLE_MESHES_8: dict[str, str] = {
     "pp": "stage=4,data=2",
     "pp_tp": "stage=2,data=2,tensor=2",
     "pp_fsdp": "stage=2,fsdp=4",
+    "tp_sp": "data=2,tensor=4",
+    "fsdp_tp_sp": "data=2,fsdp=2,tensor=2",
+    "cp": "data=2,context=4",
+    "fsdp_cp": "fsdp=2,context=4",
+    "cp_tp_sp": "data=2,context=2,tensor=2",
+    "ep": "expert=4,data=2",
+    "fsdp_ep": "fsdp=2,expert=4",
+    "ep_tp": "expert=2,tensor=2,data=2",
 }
 
 PIPELINE_STRATEGIES = frozenset(name for name, m in STRATEGIES.items() if m["layers"] == "stage")
@@ -111,4 +152,19 @@ DESCRIPTIONS: dict[str, str] = {
     "pp": "depth split into stages; activations cross stage boundaries per micro-batch",
     "pp_tp": "stages over stage, each stage's matrices over tensor",
     "pp_fsdp": "stages over stage, each stage's weights split over fsdp",
+    "tp_sp": "tp plus Megatron sequence parallelism: norms and residuals split over the sequence "
+    "on tensor; activations all-gathered and reduce-scattered per layer instead of all-reduced",
+    "fsdp_tp_sp": "fsdp for weights and batch, tensor inside each layer with the sequence split "
+    "over tensor between its matmuls",
+    "cp": "batch split over data, sequence over context; every device holds all weights; "
+    "attention gathers keys/values over context; gradients all-reduced over data and context",
+    "fsdp_cp": "weights split over fsdp (ZeRO-3), sequence over context; weights all-gathered "
+    "per layer, attention gathers keys/values over context",
+    "cp_tp_sp": "cp and tp_sp together: the sequence over context everywhere and over tensor too "
+    "between each layer's tensor-parallel matmuls",
+    "ep": "experts split over expert, batch over data and expert; tokens sent to their experts "
+    "and back by two all-to-alls per MoE layer; other weights replicated",
+    "fsdp_ep": "ep with every weight also split over fsdp (ZeRO-3): the experts over expert on "
+    "their expert dimension and over fsdp on d_model, the rest over fsdp",
+    "ep_tp": "ep with attention heads and each expert's hidden width split over tensor",
 }

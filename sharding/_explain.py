@@ -35,6 +35,8 @@ class Explanation:
     rows: list[Placement]
     unused_rules: list[dict]
     title: str = ""
+    # Mesh axes the strategy splits the stack's activations' sequence over ("sequence"); () whole.
+    sequence: tuple[str, ...] = ()
 
     @property
     def totals(self) -> dict[str, int | float]:
@@ -70,6 +72,7 @@ class Explanation:
             "parameters": [row(p) for p in self.rows],
             "totals": self.totals,
             "unused_rules": self.unused_rules,
+            "sequence": list(self.sequence),
         }
 
     def to_json(self, **kwargs: Any) -> str:
@@ -117,6 +120,7 @@ class Explanation:
             Text(fmt_bytes(t["state_bytes_per_device"]), style="bold"),
         )
         summary.add_row("replication", f"{t['replication']:g}x", f"over {t['devices']} devices")
+        summary.add_row("activation sequence", "", self.sequence_text())
         parts: list[Any] = [table, summary]
         if self.unused_rules:
             parts.append(Text("rules that placed nothing:", style="yellow"))
@@ -125,6 +129,19 @@ class Explanation:
                 for u in self.unused_rules
             )
         return Group(*parts)
+
+    def sequence_text(self) -> str:
+        """Where the sequence of the stack's activations goes, in words."""
+        split = [a for a in self.sequence if self.mesh.get(a, 1) > 1]
+        if not split:
+            return "whole on every device" + (
+                f" ({'x'.join(f'{a}=1' for a in self.sequence)})" if self.sequence else ""
+            )
+        what = {"tensor": "between the tensor-parallel matmuls (Megatron SP)",
+                "context": "everywhere, attention included (context parallel)"}  # fmt: skip
+        return "split over " + ", ".join(
+            f"{a}={self.mesh[a]} {what.get(a, '')}".strip() for a in split
+        )
 
     def print(self, console: Console | None = None) -> None:
         (console or Console()).print(self)
@@ -165,4 +182,7 @@ def explain(
     check_rules("explain", rules, axis_map)
     check_mesh("explain", mesh, spec_ok=True)
     p = place(rules, axis_map, abstract_params, mesh)
-    return Explanation(mesh=p.sizes, rows=p.placements, unused_rules=p.unused_rules, title=title)
+    sequence = () if axis_map.is_identity or "sequence" not in axis_map else (
+        axis_map.mesh_axes("sequence"))  # fmt: skip
+    return Explanation(mesh=p.sizes, rows=p.placements, unused_rules=p.unused_rules, title=title,
+                       sequence=sequence)  # fmt: skip

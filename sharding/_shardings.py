@@ -1,5 +1,7 @@
 """How a train step's pieces are sharded beyond the parameters: optimizer state like its
-parameters, the batch over the batch axes, activations pinned between layers, remat policies.
+parameters, the batch over the batch axes, activations pinned between layers, remat policies,
+and the sequence layout a strategy's ``"sequence"`` asks for (Megatron sequence parallelism on
+``tensor``, the sequence split over ``context``).
 """
 
 from __future__ import annotations
@@ -40,28 +42,37 @@ def remat_wrapper(policy: str) -> Callable | None:
     raise StepConfigError(f"unknown remat policy {policy!r}; choose one of {REMAT_POLICIES}")
 
 
-def layer_wrapper(remat: str, mesh: jshard.Mesh) -> Callable:
+def layer_wrapper(remat: str, mesh: jshard.Mesh, sequence: tuple[str, ...] = ()) -> Callable:
     """Wraps the per-layer body of a scanned stack: pins the carried activations to the batch
     sharding at every layer boundary, then applies the remat policy.
 
     Without the pin, XLA is free to keep FSDP weights sharded and all-reduce activations instead
     (for small models it often does), which is not ZeRO-3; with it, the batch stays split over
     ("data", "fsdp") and a weight sharded over fsdp must be all-gathered where it is used.
+
+    ``sequence``: the mesh axes that also split dim 1 of ``h[B, S, ...]`` at the boundaries
+    (the strategy's ``"sequence"``, `sharding._sequence.SequenceLayout`), which adds the pins
+    inside the layer that Megatron sequence parallelism needs.
     """
     checkpoint = remat_wrapper(remat)
 
     def wrap(body: Callable) -> Callable:
         def pinned(h: jax.Array, layer: Any) -> tuple[jax.Array, Any]:
-            spec = jshard.PartitionSpec(BATCH_AXES, *([None] * (h.ndim - 1)))
-            pin = functools.partial(
-                jax.lax.with_sharding_constraint, shardings=jshard.NamedSharding(mesh, spec)
-            )
+            pin = functools.partial(pin_sequence, mesh=mesh, sequence=sequence)
             out, ys = body(pin(h), layer)
             return pin(out), ys
 
         return checkpoint(pinned) if checkpoint else pinned
 
     return wrap
+
+
+def pin_sequence(h: jax.Array, *, mesh: jshard.Mesh, sequence: tuple[str, ...]) -> jax.Array:
+    """``h`` constrained to ``P(BATCH_AXES, sequence or None, None, ...)``."""
+    seq = (sequence[0] if len(sequence) == 1 else sequence) if sequence else None
+    rest = [seq] if h.ndim > 1 else []
+    spec = jshard.PartitionSpec(BATCH_AXES, *rest, *([None] * (h.ndim - 1 - len(rest))))
+    return jax.lax.with_sharding_constraint(h, jshard.NamedSharding(mesh, spec))
 
 
 def check_no_stage_split(param_shardings: Any, mesh: jshard.Mesh) -> None:

@@ -8,9 +8,7 @@ shardings, and the model code never changes between strategies.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -32,8 +30,9 @@ from sharding._checks import (
     takes_remat,
 )
 from sharding._init import abstract_params
-from sharding._mesh import BATCH_AXES
-from sharding._resolve import resolve_reporting, shard_abstract
+from sharding._program import TrainProgram
+from sharding._resolve import resolve_reporting
+from sharding._sequence import SequenceLayout
 from sharding._shardings import (  # noqa: F401  (re-exported: the errors are the step's)
     AccumulationError,
     BatchShardingError,
@@ -49,112 +48,6 @@ from sharding._stack import StackError, find_stack, n_layers, scan_call, taken_o
 from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclass
-class TrainProgram:
-    """A compiled training step: `init(seed)` -> state born sharded; `step(state, batch)`.
-
-    Build it with `compile_train_step`. The step is compiled ahead of time from abstract shapes
-    on first use (`compiled`), and `report()` inspects that same executable. `unused_rules`: the
-    rules that matched no parameter at all (``{index, pattern, reason}``; almost always a typo'd
-    regex), also shown by `report()`; a rule shadowed by an earlier one is not listed.
-    """
-
-    mesh: jshard.Mesh
-    graphdef: nnx.GraphDef
-    abstract_state: Any
-    state_shardings: Any
-    batch_shardings: dict[str, jshard.NamedSharding]
-    batch_shapes: dict[str, jax.ShapeDtypeStruct]
-    accum_steps: int
-    _init_fn: Callable = field(repr=False)
-    _step_fn: Callable = field(repr=False)
-    _grad_fn: Callable = field(repr=False)
-    _eval_fn: Callable = field(repr=False)
-    _compiled: Any = field(default=None, repr=False)
-    compile_time_s: float | None = None
-    schedule: Any = None  # the pipeline's `Schedule`, None without a pipeline
-    pipeline: PipelineSpec | None = None  # how it was asked for (stage_layers included)
-    check_batch: Callable[[dict], None] | None = field(default=None, repr=False)
-    unused_rules: list[dict] = field(default_factory=list)
-
-    @property
-    def param_shardings(self) -> Any:
-        return self.state_shardings["params"]
-
-    def init(self, seed: int = 0) -> dict[str, Any]:
-        """Train state {params, opt_state, step}, created directly in its shardings."""
-        return self._init_fn(jnp.asarray(seed, jnp.uint32))
-
-    @property
-    def compiled(self) -> Any:
-        if self._compiled is None:
-            args = (
-                shard_abstract(self.abstract_state, self.state_shardings),
-                shard_abstract(self.batch_shapes, self.batch_shardings),
-            )
-            start = time.perf_counter()
-            self._compiled = self._step_fn.lower(*args).compile()
-            self.compile_time_s = time.perf_counter() - start
-        return self._compiled
-
-    def step(self, state: dict[str, Any], batch: dict[str, Any]) -> tuple[dict, dict]:
-        """One optimizer step; `state` is donated (do not reuse it)."""
-        return self.compiled(state, self.shard_batch(batch))
-
-    def loss_and_grads(self, params: Any, batch: dict[str, Any]) -> tuple[jax.Array, Any]:
-        """Loss and gradients of one step (accumulated as the step does), without updating."""
-        return self._grad_fn(params, self.shard_batch(batch))
-
-    def eval_loss(self, params: Any, batch: dict[str, Any]) -> jax.Array:
-        """The loss alone (forward only), with the step's shardings."""
-        return self._eval_fn(params, self.shard_batch(batch))
-
-    def lower_eval(self) -> Any:
-        """The forward-only program, lowered from abstract shapes (for inspection)."""
-        return self._eval_fn.lower(
-            shard_abstract(self.abstract_state["params"], self.param_shardings),
-            shard_abstract(self.batch_shapes, self.batch_shardings),
-        )
-
-    def shard_batch(self, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        """Place a host batch (the full global batch, single process) in its sharding.
-
-        With ``check_batch`` (e.g. ``models.llama.check_batch`` bound to its config) a batch of
-        host arrays is checked first: a token id outside the vocabulary would otherwise gather NaN
-        inside the compiled step and train on a NaN loss without a word.
-        """
-        if self.check_batch is not None and not any(
-            isinstance(v, jax.Array) for v in batch.values()
-        ):
-            self.check_batch(batch)  # host arrays only: reading device arrays back would stall
-        return {
-            k: v
-            if _placed(v, self.batch_shardings[k])
-            else jax.device_put(v, self.batch_shardings[k])
-            for k, v in batch.items()
-        }
-
-    def report(self) -> Any:
-        """Collectives, memory and FLOPs of the compiled step (`sharding.ProgramReport`)."""
-        from sharding.inspection import inspect_compiled
-
-        compiled = self.compiled
-        report = inspect_compiled(compiled, mesh=self.mesh, compile_time_s=self.compile_time_s)
-        if self.schedule is not None:
-            s = self.schedule
-            report.extra["pipeline"] = f"{s.name} stages={s.stages} microbatches={s.microbatches}"
-            report.extra["bubble_fraction"] = round(s.bubble_fraction, 4)
-        if self.unused_rules:
-            report.extra["rules that matched no parameter (check the regex)"] = ", ".join(
-                f"rule {u['index']} {u['pattern']!r}" for u in self.unused_rules
-            )
-        return report
-
-
-def _placed(x: Any, sharding: jshard.NamedSharding) -> bool:
-    return isinstance(x, jax.Array) and x.sharding == sharding
 
 
 def compile_train_step(
@@ -175,6 +68,7 @@ def compile_train_step(
     check_batch: Callable[[dict], None] | None = None,
     kernels: Mapping[str, Callable] | None = None,
     use_kernels: Callable[..., Any] | None = None,
+    batch_order: Callable[[dict], dict] | None = None,
 ) -> TrainProgram:
     """Build the sharded training step of a model under (rules, axis_map) on `mesh`.
 
@@ -204,6 +98,7 @@ def compile_train_step(
         kernels: ``{name: fn}`` distributed kernels (context-parallel attention, expert-parallel
             experts) that replace the model's own while the loss is traced, through
             ``use_kernels`` (the workload's `models.kernels.use`); None: the model's own.
+        batch_order: ``micro-batch -> micro-batch`` before the loss (`sharding.context`'s reorder).
 
     Example (with ``llama`` the model family module ``models.llama``):
         >>> from partition_rules import preset
@@ -242,7 +137,8 @@ def compile_train_step(
             f"unknown compute dtype {compute_dtype!r}; choose one of {list(COMPUTE_DTYPES)}"
         )
     dtype = COMPUTE_DTYPES[compute_dtype]
-    wrap = layer_wrapper(remat, mesh)
+    sequence = SequenceLayout.of(axis_map, mesh, pipeline=pipeline, stack=stack)  # "sequence"
+    wrap = layer_wrapper(remat, mesh, sequence.axes)
     # Without a stack, a loss with a remat= keyword applies the policy itself (the layer wrapper).
     remat_kw = stack is None and takes_remat(loss_fn)
     check_batch_split(batch_shapes, dict(mesh.shape), accum_steps)
@@ -286,9 +182,7 @@ def compile_train_step(
         "opt_state": shardings_like_params(opt_state, params, param_shardings, mesh),
         "step": replicated,
     }
-    batch_spec = jshard.PartitionSpec(BATCH_AXES)
-    batch_shardings = {k: jshard.NamedSharding(mesh, batch_spec) for k in batch_shapes}
-    micro_sharding = jshard.NamedSharding(mesh, jshard.PartitionSpec(None, BATCH_AXES))
+    sequence.bind(params, param_shardings, stack)
 
     def init(seed: jax.Array) -> dict[str, Any]:
         model = make_model(nnx.Rngs(jax.random.key(seed)))
@@ -296,6 +190,8 @@ def compile_train_step(
         return {"params": p, "opt_state": optimizer.init(p), "step": jnp.zeros((), jnp.int32)}
 
     def micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
+        if batch_order is not None:
+            micro = batch_order(micro)
         if not kernels:
             return _micro_loss(p, micro)
         with use_kernels(**kernels):
@@ -320,7 +216,8 @@ def compile_train_step(
             )
         if stack is None:
             return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)
-        with taken_over(model, stack, lambda call: scan_call(call, wrap)) as calls:
+        run = sequence.runner(wrap) or (lambda call: scan_call(call, wrap))
+        with taken_over(model, stack, run) as calls:
             value = loss_fn(model, micro)
         if not calls:
             raise StackError(
@@ -337,12 +234,13 @@ def compile_train_step(
         micro = {k: jax.ShapeDtypeStruct((v.shape[0] // accum_steps, *v.shape[1:]), v.dtype)
                  for k, v in batch_shapes.items()}  # fmt: skip
         jax.eval_shape(micro_loss, params, micro)
+    batch_shardings, micro_shardings = sequence.batch_shardings(batch_shapes)  # after the trace
 
     def accumulate(p: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         if accum_steps == 1:
             return grad_fn(p, batch)
 
-        def split(x: jax.Array) -> jax.Array:
+        def split(x: jax.Array, micro_sharding: jshard.NamedSharding) -> jax.Array:
             # [B, ...] -> [B/k, k, ...] -> [k, B/k, ...]: each device keeps its own rows, so the
             # split costs no communication; micro-batch i takes every k-th row.
             x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])
@@ -355,7 +253,7 @@ def compile_train_step(
 
         zeros = jax.tree.map(jnp.zeros_like, p)
         (loss_sum, grad_sum), _ = jax.lax.scan(
-            body, (jnp.zeros(()), zeros), jax.tree.map(split, batch)
+            body, (jnp.zeros(()), zeros), jax.tree.map(split, batch, micro_shardings)
         )
         return loss_sum / accum_steps, jax.tree.map(lambda g: g / accum_steps, grad_sum)
 

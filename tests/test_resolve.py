@@ -35,7 +35,7 @@ from sharding import (
 )
 
 SPEC = MeshSpec(data=2, fsdp=2, tensor=2)
-SIZES = {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2}
+SIZES = {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
 
 
 def names_all(*parts: str) -> str:
@@ -196,7 +196,7 @@ def test_rich_rendering_names_every_path():
     out = buf.getvalue()
     for path in EXPECTED:
         assert path in out
-    assert "stage=1,data=2,fsdp=2,tensor=2" in out
+    assert "stage=1,data=2,fsdp=2,expert=1,context=1,tensor=2" in out
     assert "shadowed by rule 1" in out
     assert "matched no parameter" in out
 
@@ -356,7 +356,7 @@ def test_unmatched_lists_every_path(place):
     with pytest.raises(
         UnmatchedParameterError,
         match=names_all(
-            "cannot place 3 of 4 parameters on mesh stage=1,data=2,fsdp=2,tensor=2",
+            "cannot place 3 of 4 parameters on mesh stage=1,data=2,fsdp=2,expert=1,context=1,tensor=2",
             "decoder/bias shape=(3,)",
             "decoder/kernel shape=(8, 4)",
             "step shape=()",
@@ -428,7 +428,7 @@ def test_unknown_mesh_axis_direct(place):
             "w shape=(8, 4)",
             "dim 1",
             "mesh axis 'tensr'",
-            "stage=1, data=2, fsdp=2, tensor=2",
+            "stage=1, data=2, fsdp=2, expert=1, context=1, tensor=2",
         ),
     ):
         place(rules, axis_map, tree)

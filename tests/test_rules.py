@@ -212,12 +212,36 @@ def test_direct_rules_accept_partition_spec():
 
 # --- strategies and presets ----------------------------------------------------------------------
 
-TP_STRATEGIES = ("tp", "fsdp_tp", "dp_tp", "pp_tp")
+TP_STRATEGIES = ("tp", "fsdp_tp", "dp_tp", "pp_tp", "tp_sp", "fsdp_tp_sp", "cp_tp_sp", "ep_tp")
+# Where each strategy puts the sequence of the stack's activations (None: whole on every device).
+SEQUENCE = {"tp_sp": "tensor", "fsdp_tp_sp": "tensor", "cp": "context", "fsdp_cp": "context",
+            "cp_tp_sp": ("context", "tensor")}  # fmt: skip
+SEQUENCE_BASE = {"tp_sp": "tp", "fsdp_tp_sp": "fsdp_tp", "cp": "dp", "fsdp_cp": "fsdp",
+                 "cp_tp_sp": "tp"}  # fmt: skip
 
 
 def test_strategy_names():
-    assert set(STRATEGIES) == {"dp", "fsdp", "tp", "fsdp_tp", "dp_tp", "pp", "pp_tp", "pp_fsdp"}
+    assert set(STRATEGIES) == {"dp", "fsdp", "tp", "fsdp_tp", "dp_tp", "pp", "pp_tp", "pp_fsdp",
+                               "tp_sp", "fsdp_tp_sp", "cp", "fsdp_cp", "cp_tp_sp", "ep", "fsdp_ep",
+                               "ep_tp"}  # fmt: skip
     assert {"pp", "pp_tp", "pp_fsdp"} == PIPELINE_STRATEGIES
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_strategy_sequence_axis(name):
+    # "sequence" names no parameter dimension: only the step compiler reads it, for activations.
+    assert "sequence" in LOGICAL_AXES
+    assert STRATEGIES[name]["sequence"] == SEQUENCE.get(name)
+    if name in SEQUENCE:
+        base = SEQUENCE_BASE[name]
+        # Apart from the sequence, sp/cp place parameters exactly as their base strategy does.
+        others = {k: v for k, v in STRATEGIES[name].items() if k != "sequence"}
+        assert others == {k: v for k, v in STRATEGIES[base].items() if k != "sequence"}
+
+
+def test_sequence_keeps_its_name_when_the_parameter_axes_are_renamed():
+    m = strategy("cp", embed="hidden")
+    assert m["sequence"] == "context" and m["hidden"] is None
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -227,7 +251,7 @@ def test_strategy_maps_every_logical_axis(name):
     for axis in LOGICAL_AXES:
         assert axis in m
         for mesh_axis in m.mesh_axes(axis):
-            assert mesh_axis in ("stage", "data", "fsdp", "tensor")
+            assert mesh_axis in ("stage", "data", "fsdp", "expert", "context", "tensor")
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -280,9 +304,9 @@ def test_preset_unknown_strategy_lists_strategies():
 
 
 def test_preset_unknown_family_lists_families():
-    with pytest.raises(ValueError, match=names_all("'nope'", "cnn, gpt2, llama, mlp")):
+    with pytest.raises(ValueError, match=names_all("'nope'", "cnn, gpt2, llama, llama-moe, mlp")):
         preset("nope", "dp")
-    with pytest.raises(ValueError, match=names_all("'nope'", "cnn, gpt2, llama, mlp")):
+    with pytest.raises(ValueError, match=names_all("'nope'", "cnn, gpt2, llama, llama-moe, mlp")):
         family_rules("nope")
 
 

@@ -146,7 +146,7 @@ def test_accumulation_must_divide_the_batch():
     with pytest.raises(
         BatchShardingError,
         match=r"micro-batch 2 \(global batch 8 / 4 accumulation steps\) is not divisible by "
-        r"data=8xfsdp=1 = 8 devices.*multiple of 32",
+        r"data=8 = 8 devices.*multiple of 32",
     ):
         program("llama", "dp", "data=8", batch=8, accum=4)
 

@@ -39,7 +39,7 @@ class Layout:
         >>> Layout("pp", "stage=4,data=2", "gpipe", 8).label
         'pp gpipe m=8'
         >>> Layout("fsdp_tp", "fsdp=4,tensor=2").sizes
-        {'stage': 1, 'data': 1, 'fsdp': 4, 'tensor': 2}
+        {'stage': 1, 'data': 1, 'fsdp': 4, 'expert': 1, 'context': 1, 'tensor': 2}
     """
 
     strategy: str
@@ -103,14 +103,17 @@ class Layout:
 
 
 def strategy_names(strategies: str | Sequence[str] | None) -> list[str]:
-    """The strategies asked for (a comma list or a sequence; None: all), in `ORDER`, once each.
+    """The strategies asked for (a comma list or a sequence), in `ORDER`, once each.
+
+    None: the strategies of `ORDER`. Those of issue 16 (tp_sp, cp, ep and their hybrids) run
+    when named, and stay out of compare's and plan's default candidates until those price them.
 
     Example:
         >>> strategy_names("pp,dp,dp")
         ['dp', 'pp']
     """
     if strategies is None:
-        wanted = list(STRATEGIES)
+        wanted = list(ORDER)
     elif isinstance(strategies, str):
         wanted = [s.strip() for s in strategies.split(",")]
     else:
@@ -198,7 +201,7 @@ def layouts(
         elif search:
             allowed, needs = splits(name)
             shapes = [s for s in meshes(devices) if all(n == 1 for a, n in s.items()
-                      if a not in allowed) and all(s[a] > 1 for a in needs)]  # fmt: skip
+                      if a not in allowed) and all(s.get(a, 1) > 1 for a in needs)]  # fmt: skip
         else:
             shapes = [MeshSpec.of(t).resolve(devices).sizes for t in _suggested(name, devices)]
         node_wide = _node_wide(name, devices, per_node) if given is None and not search else []
