@@ -151,14 +151,19 @@ class Model(nnx.Module):
         self.ln_f = LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
     def embed(self, inputs_BS: jax.Array) -> jax.Array:
-        """Token plus learned position embeddings for positions `0 .. S-1`."""
+        """Token plus learned position embeddings for positions `0 .. S-1`, or for the positions
+        the ``positions`` kernel gives (a caller that reordered the sequence, `models.kernels`)."""
         s = _config.seq_len_for(self.cfg, inputs_BS.shape[-1])
         # Eager calls only (a no-op under jit): an id past the table would gather NaN silently.
         _config.checked_ids(
             _config.who(self.cfg), "inputs", inputs_BS, self.cfg.vocab_size, "token"
         )
         h_BSD = self.wte(inputs_BS)
-        return h_BSD + self.wpe.embedding[:s].astype(h_BSD.dtype)
+        positions = kernels.resolve("positions", None)
+        if positions is None:  # the written order: a slice of the table (a gather otherwise)
+            return h_BSD + self.wpe.embedding[:s].astype(h_BSD.dtype)
+        table_SD = jnp.take(self.wpe.embedding[...], positions(s), axis=0)
+        return h_BSD + table_SD.astype(h_BSD.dtype)
 
     def head(self, h_BSD: jax.Array) -> jax.Array:
         return self.wte.attend(self.ln_f(h_BSD))

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import (
     compile_time,
+    context_memory,
     mfu,
     overhead,
     peer,
@@ -222,3 +223,21 @@ def test_calibrate_runs_tiny_on_cpu_and_writes_a_profile_plan_reads(tmp_path, ca
     with pytest.raises(SystemExit):
         calibrate.main(["--help"])
     assert "python -m benchmarks.calibrate" in capsys.readouterr().out
+
+
+def test_context_memory_compiles_each_method_and_refuses_bad_lengths(tmp_path):
+    """seq 64 and 128 at 64 tokens per device, one layer: the ring's temporaries below the
+    all-gather's, both below one device's at the same length."""
+    import json
+
+    argv = ["--seqs", "64,128", "--per-device", "64", "--layers", "1", "--out", str(tmp_path)]
+    assert context_memory.main(argv) == 0
+    record = json.loads((tmp_path / "context_memory.json").read_text())
+    assert (tmp_path / "context_memory.png").stat().st_size > 0
+    at = {(r["seq"], r["method"]): r for r in record["rows"]}
+    assert set(at) == {(64, "none"), (128, "none"), (128, "ring"), (128, "allgather"),
+                       (128, "ulysses")}  # fmt: skip
+    assert at[128, "ring"]["context"] == 2
+    assert at[128, "ring"]["temp"] < at[128, "allgather"]["temp"] < at[128, "none"]["temp"]
+    with pytest.raises(context_memory.GridError, match=r"seq=96 needs context=seq/--per-device"):
+        context_memory.points([96], 64, 8, 4)
