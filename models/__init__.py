@@ -20,7 +20,7 @@ Example:
     True
 """
 
-from models import cnn, gpt2, layers, llama, mlp
+from models import cnn, gpt2, layers, llama, llama_moe, mlp, moe
 from models._errors import BatchError, ModelConfigError, ModelError, UnknownFamilyError
 from models._registry import FAMILIES, build_config, get_family
 from models.hf import (
@@ -54,6 +54,8 @@ __all__ = [
     "hf",
     "layers",
     "llama",
+    "llama_moe",
     "mlp",
+    "moe",
     "scan_layers",
 ]

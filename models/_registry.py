@@ -5,10 +5,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from models import cnn, gpt2, llama, mlp
+from models import cnn, gpt2, llama, llama_moe, mlp
 from models._errors import UnknownFamilyError
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "gpt2": gpt2, "mlp": mlp, "cnn": cnn}
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama, "gpt2": gpt2, "mlp": mlp, "cnn": cnn, "llama-moe": llama_moe,
+}  # fmt: skip
 
 
 def get_family(name: str) -> ModuleType:

@@ -19,7 +19,13 @@ The kernels a model may ask for, and the signature a replacement must keep:
 - ``positions(seq_len) -> [S] int32``: the position of each sequence slot, ``arange(S)`` unless
   the caller laid the sequence out in another order (context parallelism balances the causal
   work across devices by reordering the sequence; RoPE and the causal mask then follow these);
-- ``experts``: see `models.moe` (the mixture-of-experts layer's dispatch, expert FFN, combine).
+- ``experts(x_BSD, expert_BSK, slot_BSK, weight_BSK, gate_EDF, up_EDF, down_EFD, capacity) ->
+  y_BSD``: a mixture-of-experts layer after its routing (`models.moe`): each token's k experts,
+  its slot in each expert's per-sequence queue and its renormalised weights; the assignments
+  with ``slot >= capacity`` (a Python int) are dropped, ``capacity=None`` drops none. Returns
+  the weighted sum of the kept assignments' SwiGLU expert outputs (default:
+  `models.moe.experts_local`; spmdkit's expert-parallel one sends the tokens to their experts'
+  devices by all-to-all).
 
 A user model opts in by calling `resolve` the same way; `Workload(kernels=models.kernels.use)`
 tells spmdkit it may substitute.

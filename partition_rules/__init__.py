@@ -14,7 +14,7 @@ Example:
     [(), ('fsdp',), ('tensor',)]
 """
 
-from partition_rules import cnn, gpt2, llama, mlp, strategies
+from partition_rules import cnn, gpt2, llama, llama_moe, mlp, strategies
 from partition_rules._presets import (
     FAMILY_RULES,
     AxisRenameError,
@@ -56,6 +56,7 @@ __all__ = [
     "family_rules",
     "gpt2",
     "llama",
+    "llama_moe",
     "mlp",
     "preset",
     "strategies",

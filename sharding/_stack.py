@@ -29,16 +29,39 @@ class StackError(StepConfigError):
     """The workload's ``stack`` does not name a stacked module the model calls once."""
 
 
+class StackCarryError(StackError):
+    """A stack whose layers carry more than one array (``(h, aux)``) asked to be pipelined."""
+
+
 @dataclass
 class StackCall:
-    """One call of the stack: its split module, the carried input and the extra inputs."""
+    """One call of the stack: its split module, the carried input and the extra inputs.
+
+    ``carry`` is ``h``, or a tuple ``(h, *side)`` when the layers carry side values past the
+    activations (a mixture of experts' load-balancing loss): each layer takes and returns the
+    tuple. Only the scanned stack runs those; ``h`` refuses them for the pipelines.
+    """
 
     graphdef: nnx.GraphDef
     state: Any
     layer_call: Callable
-    h: jax.Array
+    carry: Any
     args: tuple
     kwargs: dict
+    path: str = "the stack"
+
+    @property
+    def h(self) -> jax.Array:
+        """The carried activations (what a pipeline moves between stages)."""
+        if isinstance(self.carry, tuple):
+            raise StackCarryError(
+                f"the stack {self.path!r} carries a tuple of {len(self.carry)} values from layer "
+                f"to layer (activations and side values such as a mixture of experts' "
+                f"load-balancing loss); a pipeline passes one activation array between stages, "
+                f"so it cannot run this model. Use a strategy without 'stage' (dp, fsdp, tp, "
+                f"ep, fsdp_ep) and a mesh with stage=1"
+            )
+        return self.carry
 
     def apply_layer(self, layer_state: Any, h: jax.Array, args: tuple, kwargs: dict) -> jax.Array:
         """One layer (its state without the leading axis) applied to ``h``."""
@@ -52,7 +75,24 @@ LayerFn = Callable[[Any, jax.Array, list], jax.Array]
 def apply_layers(
     layer_fn: LayerFn, block: Any, h: jax.Array, extras: list, wrap: Callable | None
 ) -> jax.Array:
-    """Apply a stack of layers (leading axis) to h with a scan, each layer wrapped by `wrap`."""
+    """Apply a stack of layers (leading axis) to h with a scan, each layer wrapped by `wrap`.
+
+    ``h`` may be a tuple ``(h, *side)`` (see `StackCall`): `wrap` then sees the activations
+    alone, the side values riding through it as inputs and outputs of the wrapped layer.
+    """
+    if isinstance(h, tuple):
+
+        def one(x: jax.Array, layer_side: tuple) -> tuple[jax.Array, tuple]:
+            out = layer_fn(layer_side[0], (x, *layer_side[1]), extras)
+            return out[0], tuple(out[1:])
+
+        step = wrap(one) if wrap else one
+
+        def body_side(carry: tuple, layer: Any) -> tuple[tuple, None]:
+            x, side = step(carry[0], (layer, carry[1:]))
+            return (x, *side), None
+
+        return jax.lax.scan(body_side, h, block)[0]
 
     def body(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
         return layer_fn(layer, h, extras), None
@@ -64,7 +104,7 @@ def apply_layers(
 def scan_call(call: StackCall, wrap: Callable | None) -> jax.Array:
     """The stack's own computation (its layers in order, in a scan), each layer under ``wrap``."""
     layer = lambda st, h, _: call.apply_layer(st, h, call.args, call.kwargs)  # noqa: E731
-    return apply_layers(layer, call.state, call.h, [], wrap)
+    return apply_layers(layer, call.state, call.carry, [], wrap)
 
 
 def path_parts(path: str) -> tuple[str, ...]:
@@ -147,7 +187,7 @@ def taken_over(
                 f"policy itself; call the stack without remat (compile_train_step(remat=...) "
                 f"chooses the policy)"
             )
-        call = StackCall(graphdef, state, layer_call, h, args, kwargs)
+        call = StackCall(graphdef, state, layer_call, h, args, kwargs, path)
         calls.append(call)
         return run(call)
 
@@ -180,5 +220,5 @@ def _key(state: Any, part: str) -> Any:
     return int(part) if part not in state and part.isdigit() else part
 
 
-__all__ = ["LayerFn", "StackCall", "StackError", "apply_layers", "find_stack", "join_state", "layer_class", "n_layers", "scan_call", "split_state",
+__all__ = ["LayerFn", "StackCall", "StackCarryError", "StackError", "apply_layers", "find_stack", "join_state", "layer_class", "n_layers", "scan_call", "split_state",
            "taken_over"]  # fmt: skip

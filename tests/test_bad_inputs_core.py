@@ -264,7 +264,7 @@ CLI = [
     (
         "explain-unknown-model",
         ["explain", "--model", "bert"],
-        r"--model 'bert': not a shipped model \(cnn, gpt2, llama, mlp\) and not "
+        r"--model 'bert': not a shipped model \(cnn, gpt2, llama, llama-moe, mlp\) and not "
         r"'package.module:attribute'",
     ),
 ]

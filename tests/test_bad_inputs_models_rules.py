@@ -122,7 +122,7 @@ CASES = [
     ("axis-map-a-list", lambda t: lambda: AxisMap([("embed", "fsdp")]), MalformedRuleError,
      r"AxisMap takes a dict of logical axis -> mesh axes, got a list"),
     ("preset-unknown-family", lambda t: lambda: preset("bert", "dp"), UnknownPresetError,
-     r"no partition rules for model family 'bert'; known families: cnn, gpt2, llama, mlp\. "
+     r"no partition rules for model family 'bert'; known families: cnn, gpt2, llama, llama-moe, mlp\. "
      r"For a model of your own, write its Rules table"),
     ("preset-unknown-strategy", lambda t: lambda: preset("llama", "zero"), UnknownPresetError,
      r"unknown strategy 'zero'; strategies that exist: dp, fsdp, tp, fsdp_tp, dp_tp, pp"),

@@ -375,14 +375,15 @@ def test_unknown_size_and_field_errors(name):
 
 
 def test_registry():
-    assert set(FAMILIES) == set(NAMES)
-    assert set(models.__all__) >= {"FAMILIES", "build_config", "get_family", *NAMES}
+    assert set(FAMILIES) == {*NAMES, "llama-moe"}  # llama-moe's own tests: tests/test_moe.py
+    assert set(models.__all__) >= {"FAMILIES", "build_config", "get_family", "llama_moe", *NAMES}
     assert get_family("gpt2") is gpt2
     cfg = build_config("llama", "tiny", n_layers=2, rope_theta=500_000.0)
     assert (cfg.n_layers, cfg.rope_theta, cfg.name) == (2, 500_000.0, "tiny")
     with pytest.raises(
         ValueError,
-        match="unknown model family 'bert'; known families: 'llama', 'gpt2', 'mlp', 'cnn'",
+        match="unknown model family 'bert'; known families: 'llama', 'gpt2', 'mlp', 'cnn', "
+        "'llama-moe'",
     ):
         get_family("bert")
     with pytest.raises(ValueError, match="unknown cnn size"):
