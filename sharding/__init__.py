@@ -5,6 +5,8 @@ it (`resolve`, `place`, `explain`), born-sharded state (`init_sharded`) and the 
 (`compile_train_step`). One sub-package per concept:
 
     sharding.pipeline     schedule tables, the scan pipeline (GPipe, circular, 1F1B), stages
+    sharding.context      context parallelism: ring, all-gather and Ulysses attention
+    sharding.experts      expert parallelism: a mixture of experts' all-to-all over expert
     sharding.inspection   compiled-program facts: collectives, memory, FLOPs, device peaks
     sharding.costmodel    closed-form predictions and the layout search (`spmdkit plan`)
     sharding.comparison   measure strategies side by side and recommend (`spmdkit compare`)
@@ -18,7 +20,16 @@ Every error for input spmdkit cannot take is a `SpmdkitError` (a `ValueError`), 
 base per concept.
 """
 
-from sharding import comparison, costmodel, inspection, pipeline, targets, training
+from sharding import (
+    comparison,
+    context,
+    costmodel,
+    experts,
+    inspection,
+    pipeline,
+    targets,
+    training,
+)
 from sharding._checks import ArgumentTypeError, StepArgumentError
 from sharding._devices import cpu_only, setup_devices
 from sharding._errors import SpmdkitError
@@ -55,7 +66,8 @@ from sharding._resolve import (
     resolve,
     shard_abstract,
 )
-from sharding._stack import StackError
+from sharding._sequence import SequenceLayoutError
+from sharding._stack import StackCarryError, StackError
 from sharding._step import (
     AccumulationError,
     BatchShardingError,
@@ -89,8 +101,10 @@ __all__ = [
     "Placements",
     "RankMismatchError",
     "RuleError",
+    "SequenceLayoutError",
     "SizeFormatError",
     "SpmdkitError",
+    "StackCarryError",
     "StackError",
     "StepArgumentError",
     "StepConfigError",
@@ -106,8 +120,10 @@ __all__ = [
     "compare",
     "comparison",
     "compile_train_step",
+    "context",
     "costmodel",
     "cpu_only",
+    "experts",
     "explain",
     "fit",
     "fmt_bytes",

@@ -18,6 +18,8 @@ from partition_rules import PIPELINE_STRATEGIES
 from sharding._mesh import MeshSpec, make_mesh
 from sharding._step import StepConfigError, TrainProgram, compile_train_step
 from sharding._workload import Workload, load_workload
+from sharding.context import context_kernels
+from sharding.experts import expert_kernels
 from sharding.pipeline import PipelineSpec, balanced_stages
 
 
@@ -82,6 +84,7 @@ def build_program(
     repeats: int | None = None,
     stage_layers: tuple[int, ...] | str | None = None,
     devices: list | None = None,
+    context_method: str | None = None,
 ) -> TrainProgram:
     """The train step of a `Workload` (or a shipped family module at size tiny) under a strategy.
 
@@ -100,6 +103,8 @@ def build_program(
         schedule, microbatches, repeats: the pipeline (see `pipeline_for`).
         stage_layers: layers per virtual stage for balanced stages, e.g. ``(3, 5)``, or
             ``"auto"`` for `sharding.pipeline.balanced_stages` (measured on the workload).
+        context_method: how attention runs over a ``context`` axis of the mesh: "ring"
+            (default), "allgather" or "ulysses" (`sharding.context`).
 
     Example (with ``llama`` the model family module ``models.llama``):
         >>> work = Workload.from_family(llama, llama.config("tiny"))
@@ -114,6 +119,14 @@ def build_program(
                             repeats=repeats, stage_layers=None if auto else stage_layers)  # fmt: skip
     if auto and pipeline is None:  # raises: stage layers asked of a strategy that does not pipe
         pipeline_for(strategy, stages, stage_layers=())
+    kernels, batch_order = context_kernels(work, mesh, context_method, seq or work.seq)
+    if kernels and pipeline is not None:
+        raise StepConfigError(
+            f"strategy {strategy!r} pipelines over stage={stages} and the mesh splits the "
+            f"sequence over context={dict(mesh.shape)['context']}; context parallelism inside a "
+            f"pipeline is not supported yet: use stage=1 or context=1"
+        )
+    kernels = {**kernels, **expert_kernels(work, mesh)}  # expert > 1: expert parallelism
     if auto and pipeline is not None:
         split = dict(mesh.shape).get("data", 1) * dict(mesh.shape).get("fsdp", 1)
         rows = max(batch // accum_steps // pipeline.microbatches // split, 1)
@@ -134,11 +147,7 @@ def build_program(
         pipeline=pipeline,
         stack=work.stack,
         check_batch=work.check_batch,
-        kernels=step_kernels(work, mesh),
+        kernels=kernels,
         use_kernels=work.kernels,
+        batch_order=batch_order,
     )
-
-
-def step_kernels(work: Workload, mesh: jshard.Mesh) -> dict:
-    """The distributed kernels a mesh calls for (``{name: fn}``, empty when none does)."""
-    return {}

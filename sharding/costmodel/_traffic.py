@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharding._mesh import BATCH_AXES
+from sharding.context import DEFAULT_METHOD, context_traffic
+from sharding.costmodel._sequence import sequence_traffic
+from sharding.experts import ALL_TO_ALLS_PER_LAYER, ep_all_to_all_bytes
 
 # Per-row softmax statistics a vocabulary-split head all-reduces over tensor (max, sum of exps,
 # the target logit, and the backward's sum), each float32 [rows, seq].
@@ -148,7 +151,7 @@ def traffic(s: Any) -> list[Traffic]:
 
     for q in s.params:
         if q.role == "table":
-            _table(out, s, q, act, rows, batch_axes, grad_bytes(q))
+            _table(out, s, q, act, rows, batch_axes, 0.0 if explicit else grad_bytes(q))
             if tied(s.params) and not explicit:
                 reduce_grad(q, "gradient of the tied head", extra=head_extra)
                 _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "tied head weights")
@@ -165,14 +168,13 @@ def traffic(s: Any) -> list[Traffic]:
         elif q.role in ("vector", "other"):
             _fsdp_gather(out, s, q, 2, "final norm")
     if explicit:
-        # The explicit schedules differentiate the head at the last stage inside the scan: the
-        # cotangents of every non-layer parameter (zeros for the embedding's) are summed over
-        # stage and the batch.
+        # The explicit schedules differentiate the embedding at the first stage and the head at
+        # the last, inside the scan: the gradients of every non-layer parameter are summed over
+        # stage and the batch at once.
         for q in s.params:
             if q.role != "layer":
-                reduce_grad(q, "head-side gradients", full_rows=True, extra=("stage",))
-            if q.role == "positions":
-                reduce_grad(q, "gradient of the position table")
+                reduce_grad(q, "embedding- and head-side gradients", full_rows=True,
+                            extra=("stage",))  # fmt: skip
 
     _layers(out, s, act, rows)
     heads = [q for q in s.params if q.role == "head" or (q.role == "table" and tied(s.params))]
@@ -182,6 +184,22 @@ def traffic(s: Any) -> list[Traffic]:
         out.add("all-reduce", ("tensor",), stats, HEAD_STAT_REDUCTIONS, "softmax statistics")
     if sched is not None:
         _pipeline(out, s, act, rows)
+    if getattr(s.cfg, "n_experts", None) and sz.get("expert", 1) > 1:  # expert parallelism
+        a2a = ep_all_to_all_bytes(s.batch * s.seq, s.cfg.d_model, s.cfg.n_experts, s.cfg.top_k,
+                                  s.cfg.capacity_factor, sz["expert"], s.act_bytes, n_layers,
+                                  seq_len=s.seq, batch_shards=d * f * sz["expert"])  # fmt: skip
+        out.add("all-to-all", ("expert",), a2a, ALL_TO_ALLS_PER_LAYER * n_layers, "expert tokens")
+    if sz.get("context", 1) > 1:  # attention over a split sequence (sharding.context)
+        cfg = s.cfg
+        for x in context_traffic(getattr(s, "context_method", None) or DEFAULT_METHOD,
+                                 batch=s.batch, seq=s.seq, heads=cfg.n_heads,
+                                 kv_heads=getattr(cfg, "n_kv_heads", cfg.n_heads),
+                                 head_dim=cfg.head_dim, layers=n_layers, context=sz["context"],
+                                 tensor=sz.get("tensor", 1),
+                                 batch_shards=math.prod(sz[a] for a in batch_axes),
+                                 dtype="float32" if s.act_bytes == 4 else "bfloat16",
+                                 remat=s.remat != "none"):  # fmt: skip
+            out.add(*x)
     return list(out)
 
 
@@ -217,7 +235,7 @@ def _table(out, s, q: Param, act: float, rows: int, batch_axes, grad: float) -> 
     else:
         if split_v:  # each device looks up its vocabulary slice; partial sums all-reduced
             out.add("all-reduce", ("tensor",), act, 1, "lookup partial sums (vocab split)")
-        out.add("all-reduce", batch_axes, grad, 1, "gradient of the token table")
+        out.add("all-reduce", batch_axes, grad, 1, "gradient of the token table")  # 0: none
 
 
 def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
@@ -253,10 +271,14 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
         count = passes * per_pass_layers
         out.add("all-reduce", ("tensor",), count * row * a, count * row, "row-parallel outputs")
         if remat:
-            out.add("all-reduce", ("tensor",), count * row * a, count * row,
+            # All but the layer's last: its output is the carry, saved at the layer boundary,
+            # and nothing in backward reads it again (measured, tp and tp_sp, llama and gpt2).
+            again = row - 1 if sched is None else row
+            out.add("all-reduce", ("tensor",), count * again * a, count * again,
                     "row-parallel outputs (recomputed in backward)")  # fmt: skip
         out.add("all-reduce", ("tensor",), count * col * a, count * col,
                 "column-parallel input gradients")  # fmt: skip
+        sequence_traffic(out, s, act)  # Megatron SP's gathers (strategies tp_sp, fsdp_tp_sp)
 
 
 def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
@@ -268,7 +290,6 @@ def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
         # round a ring, its v chunks making v times the ticks).
         out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
                 "activations + cotangents to the neighbour stage")  # fmt: skip
-        out.add("all-reduce", ("stage",), act, 1, "input cotangents to the embedding")
     else:
         out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
                 "activations forward, cotangents backward")  # fmt: skip
