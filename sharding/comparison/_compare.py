@@ -36,7 +36,7 @@ from sharding.comparison._evaluate import (
 )
 from sharding.comparison._result import Comparison, Skipped, check_output
 from sharding.comparison._verdict import recommend
-from sharding.costmodel import MEMORY_FRACTION, Layout, layouts, strategy_names
+from sharding.costmodel import MEMORY_FRACTION, Layout, called_for, layouts, strategy_names
 from sharding.targets import Target
 from sharding.targets import target as parse_target
 
@@ -127,12 +127,14 @@ def compare(
               else _bytes(memory_budget))  # fmt: skip
     devices = _devices(tgt)
     depth = work.depth() or 0
+    extra = called_for(work, seq)  # long sequences: sequence splits; experts: expert splits
     todo = layouts(tgt.devices, depth, strategies=strategies, mesh=mesh, batch=batch,
-                   per_node=tgt.per_node if tgt.nodes > 1 else None)  # fmt: skip
-    skipped = _without_layout(strategies, todo, tgt.devices, depth, mesh, work)
+                   per_node=tgt.per_node if tgt.nodes > 1 else None, extra=extra)  # fmt: skip
+    skipped = _without_layout(strategies, todo, tgt.devices, depth, mesh, work, extra)
     if not todo:
         raise CompareArgumentError(
-            f"--strategies {','.join(strategy_names(strategies))}: none of them has a layout on "
+            f"--strategies {','.join(strategy_names(strategies, extra))}: none of them has a "
+            f"layout on "
             f"{tgt.devices} devices for {depth} layers{f' on --mesh {mesh}' if mesh else ''} "
             f"({'; '.join(s.reason for s in skipped)}); use another --target, --mesh or "
             f"--strategies"
@@ -220,11 +222,11 @@ def _splits(layout: Layout, settings: Settings, accum: int) -> bool:
     return rows > 0 and rows % (sizes["data"] * sizes["fsdp"] * m) == 0
 
 
-def _without_layout(strategies, todo, devices, depth, mesh, work) -> list[Skipped]:
+def _without_layout(strategies, todo, devices, depth, mesh, work, extra=()) -> list[Skipped]:
     """A line for each strategy asked for that no layout places, and why."""
     have = {c.strategy for c in todo}
     out = []
-    for name in strategy_names(strategies):
+    for name in strategy_names(strategies, extra):
         if name in have:
             continue
         if name.startswith("pp") and work.stack is None:

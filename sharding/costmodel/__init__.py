@@ -12,9 +12,14 @@ compare and plan. `candidates` ranks every layout of a family on a target from t
 """
 
 from sharding.costmodel._layouts import (
+    DEFAULT,
+    EXPERT_STRATEGIES,
+    LONG_SEQUENCE,
     ORDER,
+    SEQUENCE_STRATEGIES,
     Layout,
     UnknownStrategyError,
+    called_for,
     layouts,
     meshes,
     strategy_names,
@@ -48,12 +53,16 @@ from sharding.costmodel._stepwork import work_from_prediction, work_from_report
 from sharding.costmodel._traffic import Traffic
 
 __all__ = [
+    "DEFAULT",
     "DEFAULT_SIZES",
+    "EXPERT_STRATEGIES",
     "LM_FAMILIES",
+    "LONG_SEQUENCE",
     "MAX_AOT_DEVICES",
     "MAX_COMPILES",
     "MEMORY_FRACTION",
     "ORDER",
+    "SEQUENCE_STRATEGIES",
     "Check",
     "CollectiveTime",
     "CollectiveWork",
@@ -70,6 +79,7 @@ __all__ = [
     "StepWork",
     "Traffic",
     "UnknownStrategyError",
+    "called_for",
     "candidates",
     "check_candidate",
     "compiled_candidates",

@@ -93,23 +93,27 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
     per device."""
     cfg, sz = s.cfg, s.sizes
     t, p = sz["tensor"], sz["stage"]
-    layer_mm = sum(q.size for q in s.params if q.role == "layer" and len(q.shape) >= 3)
+    # An expert kernel [L, E, D, F] runs on its experts' capacity slots, C of S per sequence.
+    layer_mm = sum(q.size * (s.expert_share if "experts" in q.logical else 1)
+                   for q in s.params if q.role == "layer" and len(q.shape) >= 3)  # fmt: skip
     head_mm = sum(q.size for q in s.params
                   if q.role == "head" or (q.role == "table" and tied(s.params)))  # fmt: skip
-    attn = 4 * s.seq * cfg.n_heads * cfg.head_dim  # q.k and p.v per token per layer, forward
+    # q.k and p.v per token per layer, forward, against the keys it is scored with
+    attn = 4 * s.attention_keys * cfg.n_heads * cfg.head_dim
+    tokens = rows * s.local_seq  # per device: the sequence is split over context
 
     def layer_fwd(tokens: int, layers: float, part: str = "all") -> float:
         per = {"all": 2 * layer_mm / cfg.n_layers + attn, "mm": 2 * layer_mm / cfg.n_layers}
         return tokens * layers * per[part] / t
 
-    head = 6 * rows * s.seq * head_mm / t
+    head = 6 * tokens * head_mm / t
     extra = s.remat == "full"
     if s.schedule is None:
-        total = layer_fwd(rows * s.seq, cfg.n_layers) * (3 + extra) + head
+        total = layer_fwd(tokens, cfg.n_layers) * (3 + extra) + head
         return total, total, None
     sched = s.schedule
     m, chunk = sched.microbatches, cfg.n_layers / p / sched.repeats
-    stage = layer_fwd(rows * s.seq // m, chunk)
+    stage = layer_fwd(tokens // m, chunk)
     if not sched.explicit:
         # gpipe/circular: every tick runs (bubble ticks on zeros); remat full recomputes each
         # layer once in backward, none and dots recompute no matmul. The head follows the
@@ -119,7 +123,7 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
     if sched.splits_backward:
         # B: the input-gradient chain (each matmul's input gradient, the attention's products
         # twice; remat full recomputes the forward first); W: each weight's gradient, once.
-        weight = layer_fwd(rows * s.seq // m, chunk, "mm")
+        weight = layer_fwd(tokens // m, chunk, "mm")
         backward = weight + 2 * (stage - weight) + extra * stage
     else:
         backward, weight = (2 + extra) * stage, 0.0

@@ -13,13 +13,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
-from sharding._mesh import MeshSpec, mesh_text
+from sharding._mesh import AXES, MeshSpec, mesh_text
 from sharding._recipe import build_program, pipeline_for
 from sharding.costmodel._predict import CostModelError
 from sharding.pipeline import EXPLICIT, PipelineSpec
 
-# The order layouts are listed in: the guides' three families, then their hybrids.
-ORDER = ("dp", "fsdp", "tp", "dp_tp", "fsdp_tp", "pp", "pp_tp", "pp_fsdp")
+# The order layouts are listed in: the guides' three families, then their hybrids, then the
+# sequence and expert splits (issue 16).
+ORDER = ("dp", "fsdp", "tp", "dp_tp", "fsdp_tp", "pp", "pp_tp", "pp_fsdp", "tp_sp", "fsdp_tp_sp",
+         "cp", "fsdp_cp", "cp_tp_sp", "ep", "fsdp_ep", "ep_tp")  # fmt: skip
+# What every model is offered when no strategy is named.
+DEFAULT = ORDER[:8]
+# From this sequence length on, compare and plan also offer the sequence splits to a model whose
+# attention can run split (Megatron SP, context parallelism): below it attention's activations
+# are small beside the weights and the splits only add traffic.
+LONG_SEQUENCE = 2048
+SEQUENCE_STRATEGIES = ("tp_sp", "cp", "fsdp_cp")
+# Offered to a model whose rules place an expert dimension (a mixture of experts).
+EXPERT_STRATEGIES = ("ep", "fsdp_ep", "ep_tp")
 # The schedules `spmdkit compare` runs each pipeline strategy under, and `spmdkit plan` searches
 # (interleaved where each stage's layers split into 2 chunks). Chunked ones take 2 repeats.
 COMPARE_SCHEDULES = {"pp": ("gpipe", "1f1b", "interleaved", "zb-h1", "circular")}
@@ -102,18 +113,39 @@ class Layout:
         )  # fmt: skip
 
 
-def strategy_names(strategies: str | Sequence[str] | None) -> list[str]:
+def called_for(work: Any, seq: int | None) -> tuple[str, ...]:
+    """The strategies beyond `DEFAULT` a workload calls for: the sequence splits from
+    ``seq >= LONG_SEQUENCE`` on when its attention can run split (it has a kernel seam,
+    ``work.kernels``), the expert splits when its rules place an expert dimension (logical
+    ``"experts"``, or the name ``work.names`` gives it).
+
+    Example (with ``llama`` the model family module ``models.llama``):
+        >>> from sharding import Workload
+        >>> called_for(Workload.from_family(llama, llama.config("tiny")), 4096)
+        ('tp_sp', 'cp', 'fsdp_cp')
+    """
+    long = seq is not None and seq >= LONG_SEQUENCE and work.kernels is not None
+    named = work.names.get("experts", "experts")
+    named = {named} if isinstance(named, str) else set(named)
+    used = {a for rule in work.rules for entry in (rule.axes or ())
+            for a in ((entry,) if isinstance(entry, str) else (entry or ()))}  # fmt: skip
+    return (SEQUENCE_STRATEGIES if long else ()) + (EXPERT_STRATEGIES if named & used else ())
+
+
+def strategy_names(strategies: str | Sequence[str] | None, extra: Sequence[str] = ()) -> list[str]:
     """The strategies asked for (a comma list or a sequence), in `ORDER`, once each.
 
-    None: the strategies of `ORDER`. Those of issue 16 (tp_sp, cp, ep and their hybrids) run
-    when named, and stay out of compare's and plan's default candidates until those price them.
+    None: `DEFAULT` plus ``extra``, the strategies the model calls for (`called_for`); the
+    others run when named.
 
     Example:
         >>> strategy_names("pp,dp,dp")
         ['dp', 'pp']
+        >>> strategy_names(None, ("cp",))[-2:]
+        ['pp_fsdp', 'cp']
     """
     if strategies is None:
-        wanted = list(ORDER)
+        wanted = [*DEFAULT, *extra]
     elif isinstance(strategies, str):
         wanted = [s.strip() for s in strategies.split(",")]
     else:
@@ -127,20 +159,29 @@ def strategy_names(strategies: str | Sequence[str] | None) -> list[str]:
     return [s for s in dict.fromkeys((*ORDER, *STRATEGIES)) if s in wanted]
 
 
-def meshes(devices: int) -> list[dict[str, int]]:
-    """Every (stage, data, fsdp, tensor) whose sizes multiply to ``devices``.
+def meshes(
+    devices: int, axes: Sequence[str] = ("stage", "data", "fsdp", "tensor")
+) -> list[dict[str, int]]:
+    """Every mesh whose ``axes`` multiply to ``devices`` (every other axis 1), as full sizes.
 
     Example:
         >>> len(meshes(8))  # 3 factors of 2 over 4 axes
         20
+        >>> [m["context"] for m in meshes(8, ("data", "context"))]
+        [8, 4, 2, 1]
     """
-    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
-    out = []
-    for s in divisors:
-        for d in divisors:
-            for f in divisors:
-                if devices % (s * d * f) == 0:
-                    out.append({"stage": s, "data": d, "fsdp": f, "tensor": devices // (s * d * f)})
+    axes = sorted(axes, key=AXES.index)
+    out: list[dict[str, int]] = []
+
+    def fill(i: int, left: int, sizes: dict[str, int]) -> None:
+        if i == len(axes) - 1:
+            out.append({a: {**sizes, axes[i]: left}.get(a, 1) for a in AXES})
+            return
+        for k in range(1, left + 1):
+            if left % k == 0:
+                fill(i + 1, left // k, {**sizes, axes[i]: k})
+
+    fill(0, devices, {})
     return out
 
 
@@ -168,6 +209,7 @@ def layouts(
     search: bool = False,
     batch: int | None = None,
     per_node: int | None = None,
+    extra: Sequence[str] = (),
 ) -> list[Layout]:
     """The layouts to try on ``devices`` devices for a model of ``n_layers`` layers.
 
@@ -190,7 +232,7 @@ def layouts(
         >>> len(layouts(8, 4, strategies="fsdp", search=True, batch=8))
         3
     """
-    names = strategy_names(strategies)
+    names = strategy_names(strategies, extra)
     if search and "tp" in names and "dp_tp" in names:  # one axis map: tp with data > 1 is dp_tp
         names.remove("dp_tp")
     given = None if mesh is None else MeshSpec.of(mesh).resolve(devices).sizes
@@ -200,8 +242,7 @@ def layouts(
             shapes = [given]
         elif search:
             allowed, needs = splits(name)
-            shapes = [s for s in meshes(devices) if all(n == 1 for a, n in s.items()
-                      if a not in allowed) and all(s.get(a, 1) > 1 for a in needs)]  # fmt: skip
+            shapes = [s for s in meshes(devices, tuple(allowed)) if all(s[a] > 1 for a in needs)]
         else:
             shapes = [MeshSpec.of(t).resolve(devices).sizes for t in _suggested(name, devices)]
         node_wide = _node_wide(name, devices, per_node) if given is None and not search else []
@@ -259,6 +300,16 @@ def _suggested(name: str, n: int) -> list[str]:
         "pp": [f"stage={stage},data={n // stage}"] if stage else [],
         "pp_tp": [f"stage=2,tensor=2,data={n // 4}"] if n >= 4 and n % 4 == 0 else [],
         "pp_fsdp": [f"stage=2,fsdp={half}"] if n >= 4 and n % 2 == 0 else [],
+        # Split the sequence / the experts as far as leaves a second axis (fallbacks follow).
+        "tp_sp": [f"tensor={t},data={n // t}" for t in _divisors(n) if t > 1],
+        "fsdp_tp_sp": [f"fsdp={half},tensor=2"] if n >= 4 and n % 2 == 0 else [],
+        "cp": [f"context={c},data={n // c}" for c in _divisors(n) if c > 1],
+        "fsdp_cp": [f"fsdp={n // c},context={c}" for c in _divisors(n) if 1 < c < n],
+        "ep": [f"expert={e},data={n // e}" for e in _divisors(n) if e > 1],
+        "fsdp_ep": [f"fsdp={n // e},expert={e}" for e in _divisors(n) if 1 < e < n],
+        "ep_tp": [f"expert={e},tensor=2,data={n // e // 2}" for e in _divisors(n // 2) if e > 1]
+        if n % 2 == 0
+        else [],
     }
     return table.get(name, [])
 
@@ -307,9 +358,14 @@ def _searched_pipelines(
 
 
 __all__ = [
+    "DEFAULT",
+    "EXPERT_STRATEGIES",
+    "LONG_SEQUENCE",
     "ORDER",
+    "SEQUENCE_STRATEGIES",
     "Layout",
     "UnknownStrategyError",
+    "called_for",
     "layouts",
     "meshes",
     "splits",

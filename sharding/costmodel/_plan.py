@@ -23,12 +23,7 @@ from rich.text import Text
 from sharding._units import SizeFormatError, fmt_bytes, fmt_count, parse_bytes
 from sharding._workload import Workload
 from sharding.costmodel._layouts import strategy_names
-from sharding.costmodel._predict import (
-    DTYPE_BYTES,
-    LM_FAMILIES,
-    OPTIMIZER_MOMENTS,
-    CostModelError,
-)
+from sharding.costmodel._predict import OPTIMIZER_MOMENTS
 from sharding.costmodel._search import (
     MAX_COMPILES,
     Estimate,
@@ -38,6 +33,7 @@ from sharding.costmodel._search import (
     devices_here,
     memory_budget,
 )
+from sharding.costmodel._setup import DTYPE_BYTES, LM_FAMILIES, CostModelError
 from sharding.targets import Target
 from sharding.targets import target as to_target
 
@@ -247,7 +243,8 @@ def plan(
     if optimizer not in OPTIMIZER_MOMENTS:
         raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_MOMENTS)}")
     work = _workload(model, size, cfg, layers)
-    strategies = strategy_names(strategies)
+    # Checked now; None stays None so that the layouts add what the model calls for (`called_for`).
+    strategies = None if strategies is None else strategy_names(strategies)
     budget = memory_budget(tgt, None if memory is None else _memory(memory))
     batch = batch or tgt.devices
     name = getattr(work.family, "NAME", None)
@@ -267,7 +264,8 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
     aot = aot if aot is not None else (2 if tgt.devices <= MAX_AOT_DEVICES else 0)
     have = devices_here(tgt.devices) if aot and tgt.devices <= MAX_AOT_DEVICES else None
     start = time.perf_counter()
-    ranked = candidates(family, cfg, tgt, batch, seq, strategies=tuple(strategies), dtype=dtype,
+    ranked = candidates(family, cfg, tgt, batch, seq, strategies=strategies and tuple(strategies),
+                        dtype=dtype,
                         optimizer=optimizer, memory_bytes=budget)  # fmt: skip
     elapsed = time.perf_counter() - start
     notes = []
@@ -314,7 +312,7 @@ def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, 
             f"could simulate them); run plan in a fresh process or pick a target of {have} devices"
         )
     start = time.perf_counter()
-    ranked, notes = compiled_candidates(work, tgt, batch, seq, strategies=tuple(strategies),
+    ranked, notes = compiled_candidates(work, tgt, batch, seq, strategies=strategies and tuple(strategies),
                                         dtype=dtype, memory_bytes=budget, limit=MAX_COMPILES)  # fmt: skip
     elapsed = time.perf_counter() - start
     if optimizer != "adamw":

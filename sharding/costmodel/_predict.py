@@ -15,55 +15,26 @@ blocks), one layer's backward transients, FSDP-gathered layer weights, and the f
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flax import nnx
-from jax.sharding import AbstractMesh
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from partition_rules import PIPELINE_STRATEGIES, preset
-from sharding._errors import SpmdkitError
-from sharding._init import abstract_params
-from sharding._mesh import MeshSpec, mesh_text
-from sharding._resolve import place
+from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel import _lanes
-from sharding.costmodel._traffic import Param, Traffic, classify, traffic
+from sharding.costmodel._setup import LM_FAMILIES, CostModelError, Setup, setup
+from sharding.costmodel._traffic import Traffic, traffic
 from sharding.inspection import COLLECTIVE_KINDS
-from sharding.pipeline import PipelineSpec, Schedule, check_pipeline
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}  # float32 moments per parameter
-LM_FAMILIES = ("llama", "gpt2")
 # Saved-for-backward coefficients (see the module doc), per token per layer.
 SAVED_MODEL_WIDTHS, SAVED_COLUMN_OUTPUTS = 6, 2.4
 SAVED_SCORE_COPIES, LOGIT_COPIES = 2, 3  # scores + probs; logits, log-softmax, its cotangent
 PIPELINE_FIELDS = ("name", "microbatches", "repeats", "ticks")
-
-
-class CostModelError(SpmdkitError):
-    """Arguments the cost model cannot predict for."""
-
-
-@dataclass(frozen=True)
-class Setup:
-    """Everything a prediction is computed from (built by `predict`)."""
-
-    family: str
-    cfg: Any
-    strategy: str
-    sizes: dict[str, int]
-    batch: int
-    seq: int
-    act_bytes: int
-    params: list[Param]
-    schedule: Schedule | None
-    remat: str
 
 
 @dataclass
@@ -171,75 +142,6 @@ class Prediction:
         return Group(head, table, mem, *(Text(n, style="dim") for n in self.notes))
 
 
-@functools.lru_cache(maxsize=32)
-def _abstract(family: Any, cfg: Any) -> Any:
-    return abstract_params(lambda: family.Model(cfg, rngs=nnx.Rngs(0)))[1]
-
-
-def _pipeline_args(pipeline: Any) -> tuple[str, int, int] | None:
-    if pipeline is None:
-        return None
-    if hasattr(pipeline, "schedule"):  # a PipelineSpec
-        return pipeline.schedule, pipeline.microbatches, pipeline.repeats
-    schedule, microbatches, *rest = pipeline
-    return schedule, microbatches, rest[0] if rest else 1
-
-
-def setup(
-    family: Any,
-    cfg: Any,
-    strategy: str,
-    mesh_sizes: dict[str, int],
-    batch: int,
-    seq: int,
-    *,
-    pipeline: Any = None,
-    dtype: str = "float32",
-    remat: str = "none",
-) -> Setup:
-    """Validate the arguments and place the parameters; see `predict`."""
-    if isinstance(family, str):
-        raise CostModelError(
-            f"family {family!r}: pass the family module itself (e.g. models.{family}), not its name"
-        )
-    name = family.NAME
-    if name not in LM_FAMILIES:
-        raise CostModelError(
-            f"the cost model covers the language-model families {LM_FAMILIES}, not {name!r}"
-        )
-    if isinstance(cfg, str):
-        cfg = family.config(cfg)
-    if dtype not in DTYPE_BYTES:
-        raise CostModelError(f"unknown dtype {dtype!r}; choose one of {list(DTYPE_BYTES)}")
-    if remat not in ("none", "full"):
-        raise CostModelError(f"remat {remat!r} is not modelled; choose 'none' or 'full'")
-    sizes = MeshSpec.of(dict(mesh_sizes)).sizes
-    if -1 in sizes.values():
-        raise CostModelError(f"mesh sizes {mesh_sizes} have a -1 axis; give every size")
-    p, split = sizes["stage"], sizes["data"] * sizes["fsdp"]
-    pipelined = strategy in PIPELINE_STRATEGIES
-    args = _pipeline_args(pipeline)
-    if pipelined != (args is not None) or (pipelined and p < 2) or (p > 1 and not pipelined):
-        raise CostModelError(
-            f"strategy {strategy!r} with stage={p} and pipeline={args}: pipeline strategies "
-            f"({', '.join(sorted(PIPELINE_STRATEGIES))}) need stage >= 2 and a pipeline "
-            f"(schedule, microbatches, repeats); the others need stage=1 and pipeline=None"
-        )
-    if batch % split:
-        raise CostModelError(
-            f"global batch {batch} is not divisible by data x fsdp = {split}; use a multiple of "
-            f"{split}"
-        )
-    rules, axis_map = preset(name, strategy)
-    schedule = None
-    if args is not None:  # the very checks compile_train_step makes
-        mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-        schedule = check_pipeline(PipelineSpec(*args), mesh, cfg.n_layers, batch)
-    placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
-    return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
-                 classify(placements, sizes), schedule, remat)  # fmt: skip
-
-
 def _split(s: Setup, logical_name: str) -> int:
     """The tensor split of a logical axis of the layer kernels (1 when unsplit)."""
     t = s.sizes["tensor"]
@@ -248,13 +150,20 @@ def _split(s: Setup, logical_name: str) -> int:
 
 
 def _column_width(s: Setup) -> float:
-    """Per device, the summed output widths of the layer kernels that read d_model."""
+    """Per device and token, the summed output widths of the layer kernels that read d_model
+    (an expert kernel ``[L, E, D, F]`` counts the experts' slots a token fills on average)."""
     n_layers, d = s.cfg.n_layers, s.cfg.d_model
-    return sum(
+    dense = sum(
         q.size / (n_layers * d) / (s.sizes["tensor"] if "tensor" in q.axes else 1)
         for q in s.params
         if q.role == "layer" and len(q.shape) >= 3 and q.logical[1] == "embed"
     )
+    experts = sum(
+        q.size / (n_layers * d * q.shape[1]) / (s.sizes["tensor"] if "tensor" in q.axes else 1)
+        for q in s.params
+        if q.role == "layer" and len(q.shape) == 4 and q.logical[1:3] == ("experts", "embed")
+    )
+    return dense + experts * s.cfg.n_experts * s.expert_share if experts else dense
 
 
 def _layer_activations(s: Setup, tokens: int) -> float:
@@ -263,7 +172,10 @@ def _layer_activations(s: Setup, tokens: int) -> float:
     per_token = s.act_bytes * (
         SAVED_MODEL_WIDTHS * s.cfg.d_model + SAVED_COLUMN_OUTPUTS * _column_width(s)
     )
-    return tokens * (per_token + SAVED_SCORE_COPIES * 4 * heads * s.seq)
+    # Scores and probabilities against every key; ring attention keeps none (its backward
+    # recomputes them block by block from the saved log-sum-exp).
+    ring = s.sizes["context"] > 1 and s.context_method == "ring"
+    return tokens * (per_token + (0 if ring else SAVED_SCORE_COPIES * 4 * heads * s.seq))
 
 
 def predict(
@@ -278,6 +190,7 @@ def predict(
     dtype: str = "float32",
     optimizer: str = "adamw",
     remat: str = "none",
+    context_method: str = "ring",
 ) -> Prediction:
     """Predict one training step's per-device costs, without devices or compilation.
 
@@ -291,6 +204,7 @@ def predict(
         dtype: compute dtype ("float32", "bfloat16"); master weights stay float32.
         optimizer: "adamw", "adam" or "sgd" (state bytes).
         remat: "none" or "full" (each layer recomputed in backward).
+        context_method: attention over a ``context`` axis: "ring", "allgather", "ulysses".
 
     Example:
         >>> pred = predict(models.llama, "70b", "fsdp_tp", {"fsdp": 64, "tensor": 8}, 512, 4096,
@@ -302,9 +216,9 @@ def predict(
             f"unknown optimizer {optimizer!r}; choose one of {list(OPTIMIZER_MOMENTS)}"
         )
     s = setup(family, cfg, strategy, mesh_sizes, batch, seq, pipeline=pipeline, dtype=dtype,
-              remat=remat)  # fmt: skip
+              remat=remat, context_method=context_method)  # fmt: skip
     sz, cfg = s.sizes, s.cfg
-    rows = batch // (sz["data"] * sz["fsdp"])
+    rows, seq = s.rows, s.local_seq  # per device: the sequence is split over context
     # float32 master weights, one shard per device
     param_bytes = sum(q.nbytes // math.prod(sz[a] for a in q.axes) for q in s.params)
     moments = OPTIMIZER_MOMENTS[optimizer]
@@ -354,7 +268,7 @@ def predict(
         strategy=strategy,
         mesh=dict(sz),
         batch=batch,
-        seq=seq,
+        seq=s.seq,
         dtype=dtype,
         optimizer=optimizer,
         remat=remat,

@@ -4,10 +4,9 @@ Every layout is priced by the one step-time model (`step_time` on a `sharding.ta
 fed one of two ways:
 
 - `candidates`, for the language-model families with closed forms: every layout `layouts(...,
-  search=True)` lists (each factorisation of the target's devices over stage, data, fsdp and
-  tensor that a strategy uses; pipelines under `SEARCH_SCHEDULES`), under remat none and full,
-  is predicted by `predict` and priced through `work_from_prediction`. Nothing is compiled: a
-  70B model on 512 devices takes about a second.
+  search=True)` lists (each factorisation of the devices over the axes a strategy uses, with
+  what the model calls for, `called_for`; pipelines under `SEARCH_SCHEDULES`), remat none and
+  full, predicted by `predict`, priced by `work_from_prediction`; nothing compiles (70B: 1 s).
 - `compiled_candidates`, for any other workload: a few layouts per strategy (`few_layouts`) are
   compiled ahead of time for the target's device count from abstract shapes and priced from the
   compiled program, by compare's own path (`sharding.comparison.evaluate`).
@@ -28,7 +27,8 @@ from sharding._errors import SpmdkitError
 from sharding._mesh import simulate_cpu_devices
 from sharding._resolve import RuleError
 from sharding._units import fmt_bytes
-from sharding.costmodel._layouts import Layout, layouts, strategy_names
+from sharding._workload import Workload
+from sharding.costmodel._layouts import Layout, called_for, layouts, strategy_names
 from sharding.costmodel._predict import CostModelError, Prediction, predict
 from sharding.costmodel._steptime import MEMORY_FRACTION, StepTime, step_time
 from sharding.costmodel._stepwork import work_from_prediction
@@ -159,11 +159,6 @@ def memory_budget(tgt: Target, memory_bytes: int | None = None) -> int:
     return int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_bytes is None else memory_bytes
 
 
-def _pipe(layout: Layout) -> tuple[str, int, int] | None:
-    return None if layout.schedule is None else (layout.schedule, layout.microbatches,
-                                                 layout.repeats)  # fmt: skip
-
-
 def candidates(
     family: Any,
     cfg: Any,
@@ -195,12 +190,13 @@ def candidates(
     # Useful work for MFU, the same for every layout: the unsplit step without recompute.
     useful = predict(family, cfg, "dp", {}, batch, seq, dtype=dtype, optimizer=optimizer)
     out: list[Estimate] = []
+    extra = called_for(Workload.from_family(family, cfg), seq)  # long sequence, experts
     for layout in layouts(tgt.devices, cfg.n_layers, strategies=strategies, search=True,
-                          batch=batch):  # fmt: skip
+                          batch=batch, extra=extra):  # fmt: skip
         for remat in REMATS:
             try:
                 pred = predict(family, cfg, layout.strategy, layout.sizes, batch, seq,
-                               pipeline=_pipe(layout), dtype=dtype, optimizer=optimizer,
+                               pipeline=layout.pipeline(), dtype=dtype, optimizer=optimizer,
                                remat=remat)  # fmt: skip
             except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
                 continue
@@ -290,7 +286,10 @@ def compiled_candidates(
 
     tgt = target(tgt)
     depth = work.depth() or 1  # no stack: no pipeline divides one layer
-    found = layouts(tgt.devices, depth, strategies=strategies, search=True, batch=batch)
+    extra = called_for(work, seq)
+    found = layouts(
+        tgt.devices, depth, strategies=strategies, search=True, batch=batch, extra=extra
+    )
     chosen, notes = few_layouts(found, tgt.per_node, limit), []
     if dtype == "bfloat16" and jax.default_backend() == "cpu" and any(x.schedule for x in chosen):
         chosen = [x for x in chosen if x.schedule is None]
@@ -337,8 +336,9 @@ def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
     dtype = dtype or p.dtype
     family, cfg = work.family, work.config
     if dtype != p.dtype:
-        p = predict(family, cfg, p.strategy, p.mesh, p.batch, p.seq, pipeline=_pipe(
-            estimate.layout), dtype=dtype, optimizer=p.optimizer, remat=p.remat)  # fmt: skip
+        p = predict(family, cfg, p.strategy, p.mesh, p.batch, p.seq,
+                    pipeline=estimate.layout.pipeline(), dtype=dtype, optimizer=p.optimizer,
+                    remat=p.remat)  # fmt: skip
     useful = predict(family, cfg, "dp", {}, p.batch, p.seq, dtype=dtype).matmul_flops
     sw = work_from_prediction(p, model_flops=useful)
     cand, _ = evaluate(estimate.layout, work, Settings(p.batch, p.seq), tgt, dtype=dtype,

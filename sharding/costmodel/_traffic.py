@@ -124,34 +124,45 @@ def traffic(s: Any) -> list[Traffic]:
     sz = s.sizes
     d, f = sz.get("data", 1), sz.get("fsdp", 1)
     batch_axes = tuple(a for a in BATCH_AXES if sz.get(a, 1) > 1)
-    rows = s.batch // (d * f)  # sequences per device (whole step)
-    act = rows * s.seq * s.cfg.d_model * s.act_bytes  # one [rows, seq, d_model] activation
+    c = sz.get("context", 1)
+    rows = s.rows  # sequences per device (whole step)
+    act = rows * s.local_seq * s.cfg.d_model * s.act_bytes  # one [rows, seq/c, d_model]
     sched, n_layers = s.schedule, s.cfg.n_layers
     explicit = sched is not None and sched.explicit  # 1f1b, interleaved, zb-h1
     # gpipe/circular with the head on 1/p of the rows per stage: its gradients add over stage too
     head_extra = ("stage",) if rows_over_stages(s) else ()
 
     def grad_bytes(q: Param, full_rows: bool = False) -> float:
-        g = q.nbytes / math.prod(sz[a] for a in q.axes if a in ("tensor", "stage"))
+        g = q.nbytes / math.prod(sz[a] for a in q.axes if a in ("tensor", "stage", "expert"))
         if q.role == "positions" and not full_rows:  # only the first `seq` rows are used
             g *= s.seq / q.shape[0]
         return g
 
     def reduce_grad(q: Param, what: str, *, full_rows: bool = False, extra=()) -> None:
         g, count = grad_bytes(q, full_rows), (n_layers if q.role == "layer" and not sched else 1)
+        # Not over an axis that splits the parameter itself (an expert's own, on expert); fsdp
+        # splits both, and its reduction scatters over it.
+        over = tuple(a for a in batch_axes if a not in q.axes or a == "fsdp")
         if "fsdp" in q.axes and "tensor" in q.axes:
             # Reduce-scatter over fsdp, then the shard over data. XLA:CPU emits an all-reduce
             # plus a slice for the scatter; its operand, hence its bytes, is the same.
             out.add("reduce-scatter", ("fsdp",), g, count, what)
             out.add("all-reduce", ("data",) if d > 1 else (), g / f, count, what)
         elif "fsdp" in q.axes:  # measured: one reduction over data and fsdp together
-            out.add("reduce-scatter", (*extra, *batch_axes), g, count, what)
+            out.add("reduce-scatter", (*extra, *over), g, count, what)
         else:
-            out.add("all-reduce", (*extra, *batch_axes), g, count, what)
+            out.add("all-reduce", (*extra, *over), g, count, what)
+        if c > 1:  # the sequence shards' gradients: a second reduction, over context (measured)
+            shard = g / f if "fsdp" in q.axes else g
+            out.add("all-reduce", ("context",), shard, count, f"{what} over the sequence")
 
     for q in s.params:
         if q.role == "table":
             _table(out, s, q, act, rows, batch_axes, 0.0 if explicit else grad_bytes(q))
+            if c > 1:  # its gradient over the sequence shards, like every other parameter's
+                shard = grad_bytes(q) / (f if "fsdp" in q.axes else 1)
+                out.add("all-reduce", ("context",), shard, 1, "gradient of the token table "
+                        "over the sequence")  # fmt: skip
             if tied(s.params) and not explicit:
                 reduce_grad(q, "gradient of the tied head", extra=head_extra)
                 _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "tied head weights")
@@ -180,7 +191,7 @@ def traffic(s: Any) -> list[Traffic]:
     heads = [q for q in s.params if q.role == "head" or (q.role == "table" and tied(s.params))]
     if any("tensor" in q.axes for q in heads):
         out.add("all-reduce", ("tensor",), act, 1, "head input gradient (vocab split)")
-        stats = HEAD_STAT_REDUCTIONS * rows * s.seq * 4
+        stats = HEAD_STAT_REDUCTIONS * rows * s.local_seq * 4
         out.add("all-reduce", ("tensor",), stats, HEAD_STAT_REDUCTIONS, "softmax statistics")
     if sched is not None:
         _pipeline(out, s, act, rows)
@@ -196,7 +207,7 @@ def traffic(s: Any) -> list[Traffic]:
                                  kv_heads=getattr(cfg, "n_kv_heads", cfg.n_heads),
                                  head_dim=cfg.head_dim, layers=n_layers, context=sz["context"],
                                  tensor=sz.get("tensor", 1),
-                                 batch_shards=math.prod(sz[a] for a in batch_axes),
+                                 batch_shards=math.prod(sz[a] for a in BATCH_AXES),
                                  dtype="float32" if s.act_bytes == 4 else "bfloat16",
                                  remat=s.remat != "none"):  # fmt: skip
             out.add(*x)

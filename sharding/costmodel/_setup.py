@@ -1,0 +1,161 @@
+"""What a closed-form prediction is computed from: a validated `Setup` (model, strategy, mesh,
+batch, placed parameters, pipeline schedule), built by `setup` without devices or compilation."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from partition_rules import PIPELINE_STRATEGIES, preset
+from sharding._errors import SpmdkitError
+from sharding._init import abstract_params
+from sharding._mesh import BATCH_AXES, MeshSpec
+from sharding._resolve import place
+from sharding.costmodel._traffic import Param, classify
+from sharding.experts import expert_slots
+from sharding.pipeline import PipelineSpec, Schedule, check_pipeline
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+LM_FAMILIES = ("llama", "gpt2", "llama-moe")
+
+
+class CostModelError(SpmdkitError):
+    """Arguments the cost model cannot predict for."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a prediction is computed from (built by `predict`)."""
+
+    family: str
+    cfg: Any
+    strategy: str
+    sizes: dict[str, int]
+    batch: int
+    seq: int
+    act_bytes: int
+    params: list[Param]
+    schedule: Schedule | None
+    remat: str
+    context_method: str = "ring"
+
+    @property
+    def rows(self) -> int:
+        """Sequences per device: the batch over its axes (data, fsdp, expert)."""
+        return self.batch // math.prod(self.sizes[a] for a in BATCH_AXES)
+
+    @property
+    def local_seq(self) -> int:
+        """Positions per device: the sequence over ``context`` (all of it without one)."""
+        return self.seq // self.sizes["context"]
+
+    @property
+    def attention_keys(self) -> float:
+        """Keys each local query is scored against, in FLOPs terms: the whole sequence, but
+        ring attention skips the fully masked half-blocks of the zigzag layout (step 0 is a
+        whole masked block, each of the c - 1 others half of one)."""
+        c = self.sizes["context"]
+        if c > 1 and self.context_method == "ring":
+            return self.local_seq * (c + 1) / 2
+        return self.seq
+
+    @property
+    def expert_share(self) -> float:
+        """Per token, how many experts' worth of FFN runs (E x capacity slots per sequence / S;
+        1 for a dense model): the multiplier of the expert kernels' matmul FLOPs."""
+        cfg = self.cfg
+        if not getattr(cfg, "n_experts", None):
+            return 1.0
+        slots = expert_slots(self.seq, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+        return slots / self.seq
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract(family: Any, cfg: Any) -> Any:
+    return abstract_params(lambda: family.Model(cfg, rngs=nnx.Rngs(0)))[1]
+
+
+def _pipeline_args(pipeline: Any) -> tuple[str, int, int] | None:
+    if pipeline is None:
+        return None
+    if hasattr(pipeline, "schedule"):  # a PipelineSpec
+        return pipeline.schedule, pipeline.microbatches, pipeline.repeats
+    schedule, microbatches, *rest = pipeline
+    return schedule, microbatches, rest[0] if rest else 1
+
+
+def setup(
+    family: Any,
+    cfg: Any,
+    strategy: str,
+    mesh_sizes: dict[str, int],
+    batch: int,
+    seq: int,
+    *,
+    pipeline: Any = None,
+    dtype: str = "float32",
+    remat: str = "none",
+    context_method: str = "ring",
+) -> Setup:
+    """Validate the arguments and place the parameters; see `predict`."""
+    if isinstance(family, str):
+        raise CostModelError(
+            f"family {family!r}: pass the family module itself (e.g. models.{family}), not its name"
+        )
+    name = family.NAME
+    if name not in LM_FAMILIES:
+        raise CostModelError(
+            f"the cost model covers the language-model families {LM_FAMILIES}, not {name!r}"
+        )
+    if isinstance(cfg, str):
+        cfg = family.config(cfg)
+    if dtype not in DTYPE_BYTES:
+        raise CostModelError(f"unknown dtype {dtype!r}; choose one of {list(DTYPE_BYTES)}")
+    if remat not in ("none", "full"):
+        raise CostModelError(f"remat {remat!r} is not modelled; choose 'none' or 'full'")
+    sizes = MeshSpec.of(dict(mesh_sizes)).sizes
+    if -1 in sizes.values():
+        raise CostModelError(f"mesh sizes {mesh_sizes} have a -1 axis; give every size")
+    p, split = sizes["stage"], math.prod(sizes[a] for a in BATCH_AXES)
+    c = sizes["context"]
+    if c > 1 and seq % (2 * c if context_method in ("ring", "allgather") else c):
+        raise CostModelError(
+            f"seq {seq} does not split over context={c} for {context_method} attention (it "
+            f"needs a multiple of {2 * c if context_method != 'ulysses' else c}); use another "
+            f"--seq or context size"
+        )
+    pipelined = strategy in PIPELINE_STRATEGIES
+    args = _pipeline_args(pipeline)
+    if pipelined != (args is not None) or (pipelined and p < 2) or (p > 1 and not pipelined):
+        raise CostModelError(
+            f"strategy {strategy!r} with stage={p} and pipeline={args}: pipeline strategies "
+            f"({', '.join(sorted(PIPELINE_STRATEGIES))}) need stage >= 2 and a pipeline "
+            f"(schedule, microbatches, repeats); the others need stage=1 and pipeline=None"
+        )
+    if batch % split:
+        raise CostModelError(
+            f"global batch {batch} is not divisible by data x fsdp x expert = {split}; use a "
+            f"multiple of {split}"
+        )
+    if pipelined and getattr(cfg, "n_experts", None):
+        raise CostModelError(
+            f"{name} {cfg.name} carries its load-balancing loss through the layer stack beside "
+            f"the activations, which a pipeline cannot pass between stages; plan it with a "
+            f"strategy without 'stage' (dp, fsdp, tp, ep, fsdp_ep, ep_tp)"
+        )
+    rules, axis_map = preset(name, strategy)
+    schedule = None
+    if args is not None:  # the very checks compile_train_step makes
+        mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+        schedule = check_pipeline(PipelineSpec(*args), mesh, cfg.n_layers, batch)
+    placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
+    return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
+                 classify(placements, sizes), schedule, remat, context_method)  # fmt: skip
+
+
+__all__ = ["DTYPE_BYTES", "LM_FAMILIES", "CostModelError", "Setup", "setup"]
