@@ -138,3 +138,14 @@ def test_train_stops_at_a_non_finite_loss_with_exit_1(tmp_path, capsys):
     rows = [strict_json(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) == [1, 2]
+
+
+def test_train_context_parallel_with_a_chosen_method(tmp_path, capsys):
+    """--context-method picks how attention runs over context; asking for one on a mesh without
+    a context axis is refused, not ignored."""
+    assert train(tmp_path, "--strategy", "cp", "--mesh", "data=2,context=4", "--context-method",
+                 "allgather", "--steps", "2") == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "reduce-scatter" in out and "context" in out  # the all-gather's dK, dV transpose
+    assert train(tmp_path, "--context-method", "ring", "--steps", "1") == 2
+    assert "context" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from sharding.cli.argtypes import (  # noqa: F401  (re-exported for the commands
     positive_int,
     stage_layers_arg,
 )
+from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
 
 
@@ -96,10 +97,16 @@ def workload_from_args(args: argparse.Namespace, *, families: tuple[str, ...] | 
     return load_workload(args.model, size=args.size, shipped=shipped)
 
 
-def add_strategy_args(p: argparse.ArgumentParser, *, default: str = "fsdp_tp") -> None:
+def add_strategy_args(
+    p: argparse.ArgumentParser, *, default: str = "fsdp_tp", context: bool = False
+) -> None:
     p.add_argument("--mesh", help="mesh spec, e.g. data=2,fsdp=2,tensor=2 (one axis may be -1)")
     p.add_argument("--strategy", default=default, choices=list(STRATEGIES),
                    help="partition preset")  # fmt: skip
+    if context:  # the command runs what it builds: how attention runs over a context axis
+        p.add_argument("--context-method", choices=CONTEXT_METHODS,
+                       help="attention over a context mesh axis (cp, fsdp_cp): ring, allgather "
+                       "or ulysses (when unset: ring)")  # fmt: skip
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:

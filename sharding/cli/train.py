@@ -41,9 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--model my_models.py:workload --strategy pp --mesh stage=2,data=4 --schedule 1f1b",
         "--steps 20 --profile traces --profile-steps 5:7 --tensorboard tb",
         "--data hf:corpus --tokenizer tokenizer.json --seq 128 --checkpoint-dir ck --save-every 50",
+        "--strategy cp --mesh data=2,context=4 --seq 1024 --context-method ring",
     ])  # fmt: skip
     add_model_args(p)
-    add_strategy_args(p)
+    add_strategy_args(p, context=True)
     add_pipeline_args(p)
     add_distributed_args(p)
     add_devices_arg(p)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from partition_rules import STRATEGIES
+from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
 from sharding.training._elastic import ELASTIC_POLICIES
 from sharding.training._errors import TrainingError
@@ -109,6 +110,7 @@ class TrainConfig:
     microbatches: int | None = None
     repeats: int | None = None
     stage_layers: tuple[int, ...] | str | None = None
+    context_method: str | None = None
     overwrite: bool = False
     profile: str | os.PathLike | None = None
     profile_steps: tuple[int, int] | str | None = None
@@ -206,6 +208,7 @@ class TrainConfig:
             "data_dtype": (None, *DATA_DTYPES),
             "elastic": (None, *ELASTIC_POLICIES),
             "schedule": (None, *SCHEDULES),
+            "context_method": (None, *CONTEXT_METHODS),
         }
         for name, known in choices.items():
             v = getattr(self, name)

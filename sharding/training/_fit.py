@@ -173,6 +173,7 @@ def build_train_program(work: Workload, config: TrainConfig, spec: MeshSpec, sta
         microbatches=config.microbatches,
         repeats=config.repeats,
         stage_layers=config.stage_layers,
+        context_method=config.context_method,
     )
 
 
