@@ -17,6 +17,9 @@ from sharding.inspection import count_flops
 # Issue 15's setup: maxtext-tiny on stage=4,data=2, gpipe with 8 micro-batches, sequence 256,
 # global batch 16, float32. Useful matmul work 29.80 GFLOP per device per step.
 WIDE = llama.config("maxtext-tiny")
+# MaxText 0.2.5's matmul FLOPs per device per step on this program with remat full, counted the
+# same way in its compiled HLO (benchmarks/peer.py): the issue's "51.0 G", exactly.
+MAXTEXT_REMAT_FULL = 51_002_736_640
 P, M = 4, 8
 
 
@@ -44,7 +47,7 @@ def test_gpipe_with_full_remat_does_no_more_than_maxtext():
     checkpoint nested in a stage's. The exact count is 51,002,736,640 (both programs)."""
     _, flops = wide("full")
     assert flops.exact
-    assert round(flops.total / 1e9, 2) <= 51.00
+    assert flops.total <= MAXTEXT_REMAT_FULL
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
