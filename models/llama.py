@@ -164,12 +164,15 @@ class Block(nnx.Module):
 
 
 class Model(nnx.Module):
-    """Llama decoder. `model.embed` is the token table module itself: `embed(inputs) -> h`."""
+    """Llama decoder. `model.embed` is the token table module itself: `embed(inputs) -> h`.
+    ``block``: the class of its layers (a variant swaps it, `models.llama_moe`)."""
+
+    block: ClassVar[type] = Block
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-        self.layers = make_stacked(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
+        self.layers = make_stacked(lambda r: self.block(cfg, rngs=r), cfg.n_layers, rngs)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = Dense((cfg.d_model,), (cfg.vocab_size,), std=cfg.init_std, rngs=rngs)
 

@@ -40,7 +40,7 @@ from flax import nnx
 
 from models import _config, kernels, llama, moe
 from models._errors import ModelConfigError
-from models.layers import Dense, Embed, Remat, RMSNorm, SelfAttention, make_stacked, residual_std
+from models.layers import Remat, RMSNorm, SelfAttention, residual_std
 
 NAME = "llama-moe"
 INPUT = "inputs"
@@ -115,18 +115,11 @@ class Block(nnx.Module):
         return x_BSD + y_BSD, aux + layer_aux
 
 
-class Model(nnx.Module):
-    """Mixture-of-experts Llama decoder; `forward` gives logits and the mean aux loss."""
+class Model(llama.Model):
+    """Mixture-of-experts Llama decoder (llama's, with MoE blocks); `forward` gives logits and
+    the mean aux loss."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs)
-        self.layers = make_stacked(lambda r: Block(cfg, rngs=r), cfg.n_layers, rngs)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = Dense((cfg.d_model,), (cfg.vocab_size,), std=cfg.init_std, rngs=rngs)
-
-    def head(self, h_BSD: jax.Array) -> jax.Array:
-        return self.lm_head(self.final_norm(h_BSD))
+    block: ClassVar[type] = Block
 
     def forward(self, inputs_BS: jax.Array, *, remat: Remat | None = None):
         """``(logits [B, S, V], aux)``: aux is the mean over layers of their balancing losses."""
