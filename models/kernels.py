@@ -86,14 +86,9 @@ def resolve(name: str, default: Callable) -> Callable:
     return _OVERRIDES.get().get(name, default)
 
 
-def active() -> dict[str, Callable]:
-    """The overrides in force (empty outside any `use` block)."""
-    return dict(_OVERRIDES.get())
-
-
 def default_positions(seq_len: int) -> jnp.ndarray:
     """``arange(seq_len)``: the sequence in its written order."""
     return jnp.arange(seq_len, dtype=jnp.int32)
 
 
-__all__ = ["KERNELS", "active", "default_positions", "resolve", "use"]
+__all__ = ["KERNELS", "default_positions", "resolve", "use"]

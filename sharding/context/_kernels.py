@@ -32,13 +32,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax import sharding as jshard
 
-from sharding._mesh import BATCH_AXES
+from sharding._mesh import BATCH_AXES, SEQUENCE_AXIS
 from sharding.context._blocks import causal_mask, masked_attention
 from sharding.context._errors import ContextParallelError
 from sharding.context._layout import check_balanced_seq, zigzag_positions
 from sharding.context._ring import ring_local
 
-AXIS = "context"
+AXIS = SEQUENCE_AXIS  # "context"
 METHODS = ("ring", "allgather", "ulysses")
 # Methods whose causal work is balanced by the zigzag layout (the caller reorders the batch).
 BALANCED = frozenset({"ring", "allgather"})
