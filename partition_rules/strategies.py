@@ -98,6 +98,8 @@ CP_TP_SP = _strategy(_TP, _CP_SP)
 EP = _strategy(_EP)
 FSDP_EP = _strategy(_FSDP, _EP)
 EP_TP = _strategy(_EP, _TP)
+PP_CP = _strategy(_PP, _CP)
+PP_TP_SP = _strategy(_PP, _TP, _SP)
 
 STRATEGIES: dict[str, AxisMap] = {
     "dp": DP,
@@ -116,6 +118,8 @@ STRATEGIES: dict[str, AxisMap] = {
     "ep": EP,
     "fsdp_ep": FSDP_EP,
     "ep_tp": EP_TP,
+    "pp_cp": PP_CP,
+    "pp_tp_sp": PP_TP_SP,
 }
 
 # A mesh of 8 devices that suits each strategy on every family's tiny size (llama tiny has 8 query
@@ -137,6 +141,8 @@ EXAMPLE_MESHES_8: dict[str, str] = {
     "ep": "expert=4,data=2",
     "fsdp_ep": "fsdp=2,expert=4",
     "ep_tp": "expert=2,tensor=2,data=2",
+    "pp_cp": "stage=2,data=2,context=2",
+    "pp_tp_sp": "stage=2,data=2,tensor=2",
 }
 
 PIPELINE_STRATEGIES = frozenset(name for name, m in STRATEGIES.items() if m["layers"] == "stage")
@@ -167,4 +173,8 @@ DESCRIPTIONS: dict[str, str] = {
     "fsdp_ep": "ep with every weight also split over fsdp (ZeRO-3): the experts over expert on "
     "their expert dimension and over fsdp on d_model, the rest over fsdp",
     "ep_tp": "ep with attention heads and each expert's hidden width split over tensor",
+    "pp_cp": "stages over stage, the sequence over context inside each stage: attention passes "
+    "keys/values over context, activations cross stage boundaries sequence-split",
+    "pp_tp_sp": "stages over stage, each stage's matrices over tensor with the sequence split "
+    "over tensor between them (Megatron SP inside each stage)",
 }

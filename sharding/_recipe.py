@@ -16,6 +16,7 @@ from jax import sharding as jshard
 
 from partition_rules import PIPELINE_STRATEGIES
 from sharding._mesh import MeshSpec, make_mesh
+from sharding._sequence import sequence_axes
 from sharding._step import StepConfigError, TrainProgram, compile_train_step
 from sharding._workload import Workload, load_workload
 from sharding.context import context_kernels
@@ -119,13 +120,20 @@ def build_program(
                             repeats=repeats, stage_layers=None if auto else stage_layers)  # fmt: skip
     if auto and pipeline is None:  # raises: stage layers asked of a strategy that does not pipe
         pipeline_for(strategy, stages, stage_layers=())
-    kernels, batch_order = context_kernels(work, mesh, context_method, seq or work.seq)
-    if kernels and pipeline is not None:
+    context = dict(mesh.shape).get("context", 1)
+    if (
+        pipeline is not None
+        and context > 1
+        and "context" not in sequence_axes(work.axis_map(strategy), mesh)
+    ):
         raise StepConfigError(
-            f"strategy {strategy!r} pipelines over stage={stages} and the mesh splits the "
-            f"sequence over context={dict(mesh.shape)['context']}; context parallelism inside a "
-            f"pipeline is not supported yet: use stage=1 or context=1"
+            f"strategy {strategy!r} pipelines over stage={stages} on a mesh with "
+            f"context={context}, and does not split the sequence over it: "
+            f"context parallelism inside a pipeline needs a strategy that does, pp_cp; or use "
+            f"context=1"
         )
+    kernels, batch_order = context_kernels(work, mesh, context_method, seq or work.seq,
+                                           None if pipeline is None else pipeline.schedule)  # fmt: skip
     kernels = {**kernels, **expert_kernels(work, mesh)}  # expert > 1: expert parallelism
     if auto and pipeline is not None:
         split = dict(mesh.shape).get("data", 1) * dict(mesh.shape).get("fsdp", 1)

@@ -24,6 +24,7 @@ from flax import nnx
 from jax import sharding as jshard
 
 from sharding._checks import StepConfigError
+from sharding._manual import constrain
 from sharding._mesh import BATCH_AXES
 from sharding._resolve import path_str
 from sharding._stack import StackCall, apply_layers, split_state
@@ -45,10 +46,12 @@ class SequenceLayout:
     seen: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, axis_map: Any, mesh: jshard.Mesh, *, pipeline: Any, stack: str | None):
-        """The layout ``axis_map`` asks for, refused where none is supported (before tracing)."""
+    def of(cls, axis_map: Any, mesh: jshard.Mesh, *, pipeline: Any, stack: str | None,
+           kernels: Any = ()):  # fmt: skip
+        """The layout ``axis_map`` asks for, refused where none is supported (before tracing);
+        ``kernels``: the names of the kernels the step substitutes."""
         axes = sequence_axes(axis_map, mesh)
-        check_sequence_split(axes, mesh, pipeline=pipeline, stack=stack)
+        check_sequence_split(axes, mesh, pipeline=pipeline, stack=stack, kernels=kernels)
         return cls(mesh, axes)
 
     def bind(self, params: Any, param_shardings: Any, stack: str | None) -> None:
@@ -62,6 +65,29 @@ class SequenceLayout:
             return None
         return functools.partial(sequence_parallel_call, wrap=wrap, mesh=self.mesh,
                                  sequence=self.axes, roles=self.roles, seen=self.seen)  # fmt: skip
+
+    @property
+    def outer(self) -> tuple[str, ...]:
+        """The axes that split the sequence outside the layers (`outer_sequence_axes`)."""
+        return outer_sequence_axes(self.axes)
+
+    def pin(self, module: nnx.Module) -> None:
+        """Pin one layer's modules (`sequence_roles`): each role's input gathered or output
+        scattered over the sequence, each gathered input gathered once."""
+        if self.roles:
+            pin_modules(module, self.roles, *_sequence_pins(self.mesh, self.axes))
+
+    def enter(self, h: jax.Array) -> jax.Array:
+        """The stack's input as the layers take it: whole over tensor, then split over the
+        whole sequence (see `sequence_parallel_call`)."""
+        if not self.roles:
+            return h
+        _, scatter = _sequence_pins(self.mesh, self.axes)
+        return scatter(_constrain(h, outer_sequence_axes(self.axes), mesh=self.mesh))
+
+    def leave(self, y: jax.Array) -> jax.Array:
+        """The stack's output gathered back over tensor, for the vocabulary-split head."""
+        return _sequence_pins(self.mesh, self.axes)[0](y) if self.roles else y
 
     def batch_shardings(self, batch_shapes: dict) -> tuple[dict, dict]:
         """({name: sharding} of the batch, of its accumulation micro-batches ``[k, B/k, ...]``)."""
@@ -106,18 +132,28 @@ def outer_sequence_axes(sequence: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def check_sequence_split(sequence: tuple[str, ...], mesh: jshard.Mesh, *, pipeline: Any,
-                         stack: str | None) -> None:  # fmt: skip
+                         stack: str | None, kernels: Any = ()) -> None:  # fmt: skip
     """Refuse what no sequence layout supports yet, before anything traces."""
     if not sequence:
         return
     sizes = dict(mesh.shape)
     where = " x ".join(f"{a}={sizes[a]}" for a in sequence)
-    if pipeline is not None:
+    missing = [k for k in ("attention", "positions") if k not in kernels]
+    if pipeline is not None and "context" in sequence and missing:
         raise SequenceLayoutError(
-            f"the strategy splits the sequence over {where}, and a pipeline was asked for: "
-            f"pipelines with sequence or context parallelism are not supported yet; use a "
-            f"pipeline strategy (pp, pp_tp, pp_fsdp) without 'sequence', or a sequence strategy "
-            f"(tp_sp, cp, fsdp_cp) without a stage axis"
+            f"the strategy splits the sequence over {where} inside a pipeline, whose stages run "
+            f"each layer on their own slice of the sequence; attention and positions must then "
+            f"come from the context kernels, and the step has no {' or '.join(missing)} kernel. "
+            f"Use build_program(..., context_method='allgather') (or spmdkit train "
+            f"--context-method), or pass kernels= from sharding.context"
+        )
+    others = [a for a in ("fsdp", "expert", "tensor") if sizes.get(a, 1) > 1]
+    if pipeline is not None and "context" in sequence and others:
+        raise SequenceLayoutError(
+            f"the strategy splits the sequence over {where} inside a pipeline, on a mesh that "
+            f"also splits {', '.join(f'{a}={sizes[a]}' for a in others)}: a pipeline's stages "
+            f"are manual over context, and context parallelism with those axes inside them is "
+            f"not supported yet; use pp_cp on stage x data x context, or drop stage"
         )
     if stack is None:
         raise SequenceLayoutError(
@@ -185,10 +221,10 @@ def sequence_roles(
 
 
 def _constrain(x: jax.Array, axes: tuple[str, ...], *, mesh: jshard.Mesh) -> jax.Array:
-    """``x[B, S, ...]`` constrained to ``P(BATCH_AXES, axes, None, ...)``."""
+    """``x[B, S, ...]`` constrained to ``P(BATCH_AXES, axes, None, ...)`` (inside a pipeline's
+    stages, on the axes still automatic there)."""
     seq = (axes[0] if len(axes) == 1 else axes) if axes else None
-    spec = jshard.PartitionSpec(BATCH_AXES, seq, *([None] * (x.ndim - 2)))
-    return jax.lax.with_sharding_constraint(x, jshard.NamedSharding(mesh, spec))
+    return constrain(x, mesh, jshard.PartitionSpec(BATCH_AXES, seq, *([None] * (x.ndim - 2))))
 
 
 @functools.cache
@@ -252,19 +288,7 @@ def sequence_parallel_call(
 
     def layer(state: Any, h: Any, _: list) -> Any:
         module = nnx.merge(call.graphdef, state)
-        gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
-
-        def gather_once(x: Any) -> Any:
-            if not isinstance(x, jax.Array) or x.ndim < 3:  # tracers are jax.Arrays
-                return x
-            if id(x) not in gathered:
-                gathered[id(x)] = (x, gather(x))  # x kept alive so its id is not reused
-            return gathered[id(x)][1]
-
-        for path, sub in nnx.iter_modules(module):
-            role = roles.get("/".join(map(str, path)))
-            if role:
-                sub.__class__ = _pinned_class(type(sub), role, gather_once, scatter)
+        pin_modules(module, roles, gather, scatter)
         return call.layer_call(module, h, *call.args, **call.kwargs)
 
     if not roles:
@@ -275,6 +299,25 @@ def sequence_parallel_call(
     out = apply_layers(layer, call.state, (h, *carry[1:]) if isinstance(carry, tuple) else h,
                        [], wrap)  # fmt: skip
     return (gather(out[0]), *out[1:]) if isinstance(out, tuple) else gather(out)
+
+
+def pin_modules(module: nnx.Module, roles: dict[str, str], gather: Callable,
+                scatter: Callable) -> None:  # fmt: skip
+    """Give each module of one layer that `sequence_roles` names a subclass that gathers its
+    input or scatters its output; an input several modules read (q, k, v) is gathered once."""
+    gathered: dict[int, tuple[jax.Array, jax.Array]] = {}
+
+    def gather_once(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.ndim < 3:  # tracers are jax.Arrays
+            return x
+        if id(x) not in gathered:
+            gathered[id(x)] = (x, gather(x))  # x kept alive so its id is not reused
+        return gathered[id(x)][1]
+
+    for path, sub in nnx.iter_modules(module):
+        role = roles.get("/".join(map(str, path)))
+        if role:
+            sub.__class__ = _pinned_class(type(sub), role, gather_once, scatter)
 
 
 def _pinned_class(cls: type, role: str, gather: Callable, scatter: Callable) -> type:

@@ -137,7 +137,8 @@ def compile_train_step(
             f"unknown compute dtype {compute_dtype!r}; choose one of {list(COMPUTE_DTYPES)}"
         )
     dtype = COMPUTE_DTYPES[compute_dtype]
-    sequence = SequenceLayout.of(axis_map, mesh, pipeline=pipeline, stack=stack)  # "sequence"
+    sequence = SequenceLayout.of(axis_map, mesh, pipeline=pipeline, stack=stack,
+                                 kernels=kernels or {})  # fmt: skip
     wrap = layer_wrapper(remat, mesh, sequence.axes)
     # Without a stack, a loss with a remat= keyword applies the policy itself (the layer wrapper).
     remat_kw = stack is None and takes_remat(loss_fn)
@@ -213,6 +214,7 @@ def compile_train_step(
                 remat_wrapper(remat),
                 gathered,
                 pipeline.stage_layers,
+                sequence,
             )
         if stack is None:
             return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)

@@ -227,8 +227,10 @@ def test_unknown_or_pointless_methods_are_refused():
         ring_attention(make_mesh("data=8"))
 
 
-def test_context_inside_a_pipeline_is_refused():
-    with pytest.raises(StepConfigError, match=r"context parallelism inside a pipeline"):
+def test_context_inside_a_pipeline_needs_a_strategy_that_splits_the_sequence():
+    # pp places no "sequence": the stages would not split it (pp_cp does, test_pipeline_splits).
+    with pytest.raises(StepConfigError, match=r"context parallelism inside a pipeline needs a "
+                       r"strategy that does, pp_cp"):  # fmt: skip
         build_program(workload(), "pp", "stage=2,context=4", batch=BATCH, seq=SEQ)
 
 

@@ -212,19 +212,20 @@ def test_direct_rules_accept_partition_spec():
 
 # --- strategies and presets ----------------------------------------------------------------------
 
-TP_STRATEGIES = ("tp", "fsdp_tp", "dp_tp", "pp_tp", "tp_sp", "fsdp_tp_sp", "cp_tp_sp", "ep_tp")
+TP_STRATEGIES = ("tp", "fsdp_tp", "dp_tp", "pp_tp", "tp_sp", "fsdp_tp_sp", "cp_tp_sp", "ep_tp",
+                 "pp_tp_sp")  # fmt: skip
 # Where each strategy puts the sequence of the stack's activations (None: whole on every device).
 SEQUENCE = {"tp_sp": "tensor", "fsdp_tp_sp": "tensor", "cp": "context", "fsdp_cp": "context",
-            "cp_tp_sp": ("context", "tensor")}  # fmt: skip
+            "cp_tp_sp": ("context", "tensor"), "pp_cp": "context", "pp_tp_sp": "tensor"}  # fmt: skip
 SEQUENCE_BASE = {"tp_sp": "tp", "fsdp_tp_sp": "fsdp_tp", "cp": "dp", "fsdp_cp": "fsdp",
-                 "cp_tp_sp": "tp"}  # fmt: skip
+                 "cp_tp_sp": "tp", "pp_cp": "pp", "pp_tp_sp": "pp_tp"}  # fmt: skip
 
 
 def test_strategy_names():
     assert set(STRATEGIES) == {"dp", "fsdp", "tp", "fsdp_tp", "dp_tp", "pp", "pp_tp", "pp_fsdp",
                                "tp_sp", "fsdp_tp_sp", "cp", "fsdp_cp", "cp_tp_sp", "ep", "fsdp_ep",
-                               "ep_tp"}  # fmt: skip
-    assert {"pp", "pp_tp", "pp_fsdp"} == PIPELINE_STRATEGIES
+                               "ep_tp", "pp_cp", "pp_tp_sp"}  # fmt: skip
+    assert {"pp", "pp_tp", "pp_fsdp", "pp_cp", "pp_tp_sp"} == PIPELINE_STRATEGIES
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

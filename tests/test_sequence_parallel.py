@@ -211,10 +211,12 @@ def test_workload_without_a_sequence_is_refused():
                            mlp.batch_shapes(cfg, BATCH), stack="layers")  # fmt: skip
 
 
-def test_pipeline_with_a_sequence_layout_is_refused():
+def test_pipeline_over_context_without_the_context_kernels_is_refused():
+    # The stages run each layer on their slice of the sequence: model attention there would
+    # attend within the slice only.
     axis_map = STRATEGIES["pp"].replace(sequence="context")
-    with pytest.raises(StepConfigError, match=r"pipelines with sequence or context parallelism "
-                       r"are not supported yet"):  # fmt: skip
+    with pytest.raises(StepConfigError, match=r"inside a pipeline.*no attention or positions "
+                       r"kernel.*context_method"):  # fmt: skip
         compile_train_step(make, llama.loss, optax.sgd(1e-3), preset("llama", "pp")[0], axis_map,
                            make_mesh("stage=2,context=4"), llama.batch_shapes(CFG, BATCH, SEQ),
                            pipeline=PipelineSpec("gpipe", 4), stack="layers")  # fmt: skip

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax import sharding as jshard
 
+from sharding._manual import manual_axes
 from sharding._mesh import BATCH_AXES, SEQUENCE_AXIS
 from sharding.context._blocks import causal_mask, masked_attention
 from sharding.context._errors import ContextParallelError
@@ -77,6 +78,8 @@ def specs(mesh: jshard.Mesh, q_shape, kv_shape) -> tuple[jshard.PartitionSpec, .
 
 def _sharded(mesh: jshard.Mesh, local: Callable, check: Callable) -> Kernel:
     def kernel(q_BSNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+        if AXIS in manual_axes():  # a pipeline's stages, manual over context: q, k, v are this
+            return local(q_BSNH, k_BTKH, v_BTKH)  # device's slice (checked whole by the step)
         check(q_BSNH, k_BTKH)
         q_spec, kv_spec = specs(mesh, q_BSNH.shape, k_BTKH.shape)
         body = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),

@@ -22,7 +22,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from sharding._manual import manual_axes
+from sharding._mesh import SEQUENCE_AXIS as AXIS
 from sharding.context._errors import ContextParallelError
 
 
@@ -62,11 +65,22 @@ def from_zigzag(x: jax.Array, context: int, axis: int = 1) -> jax.Array:
     return jnp.take(x, np.argsort(zigzag_positions(x.shape[axis], context)), axis=axis)
 
 
-def positions_kernel(context: int) -> Callable[[int], jax.Array]:
-    """The ``positions`` kernel (`models.kernels`) of the zigzag layout over ``context``."""
+def positions_kernel(context: int, *, zigzag: bool = True) -> Callable[[int], jax.Array]:
+    """The ``positions`` kernel (`models.kernels`) of the sequence split over ``context``: in
+    the zigzag layout, or in written order (``zigzag=False``, Ulysses).
+
+    Inside a region manual over context (a pipeline's stages), the model sees its own slice of
+    the sequence and asks for ``seq_len`` = S/c positions: it gets this device's slice.
+    """
+
+    def order(n: int) -> jax.Array:
+        return jnp.asarray(zigzag_positions(n, context) if zigzag else np.arange(n, dtype=np.int32))
 
     def positions(seq_len: int) -> jax.Array:
-        return jnp.asarray(zigzag_positions(seq_len, context))
+        if AXIS not in manual_axes():
+            return order(seq_len)
+        whole = order(seq_len * context)
+        return lax.dynamic_slice_in_dim(whole, lax.axis_index(AXIS) * seq_len, seq_len)
 
     return positions
 

@@ -61,7 +61,11 @@ def seam_calls(work: Any, seq: int) -> dict[str, Any]:
 
 
 def context_kernels(
-    work: Any, mesh: jshard.Mesh, method: str | None = None, seq: int | None = None
+    work: Any,
+    mesh: jshard.Mesh,
+    method: str | None = None,
+    seq: int | None = None,
+    schedule: str | None = None,
 ) -> tuple[dict[str, Callable], Callable[[dict], dict] | None]:
     """``({name: kernel}, batch_order)`` for a `sharding.Workload` on ``mesh`` (``({}, None)``
     without a context axis).
@@ -71,6 +75,12 @@ def context_kernels(
     workload without a sequence, heads Ulysses cannot split, a reordering method for a model
     whose positions do not come from the ``positions`` kernel, or a sequence the zigzag layout
     cannot cut into 2 x context chunks.
+
+    ``schedule``: the pipeline schedule when the step also pipelines over ``stage`` (None
+    otherwise). Its stages are manual over context (`sharding.pipeline`), so every layer sees
+    its own slice of the sequence: the positions must come from the ``positions`` kernel
+    whatever the method, and ring attention runs only under gpipe and circular, whose stages all
+    compute at every tick (see `check_pipelined`).
     """
     c = dict(mesh.shape).get(AXIS, 1)
     method = check_method(method, c)
@@ -99,6 +109,7 @@ def context_kernels(
         )
     if method == "ulysses":
         check_ulysses_heads(*seam["attention"], c, dict(mesh.shape).get("tensor", 1))
+    check_pipelined(name, method, schedule, seam)
     if method in BALANCED and "positions" not in seam:
         raise ContextParallelError(
             f"context_method={method!r} reorders the sequence (zigzag load balancing), and "
@@ -113,7 +124,41 @@ def context_kernels(
             raise ContextParallelError(
                 f"seq={seq} does not split over {AXIS}={c}; pick --seq a multiple of {c}"
             )
+        if schedule is not None:
+            kernels["positions"] = positions_kernel(c, zigzag=False)
         return kernels, None
     check_balanced_seq(seq, c, who=f"context_method={method!r}")
     kernels["positions"] = positions_kernel(c)
     return kernels, batch_reorder(seq, c)
+
+
+# Schedules whose stages compute at every tick: their collectives run on every device together.
+LOCKSTEP = frozenset({"gpipe", "circular"})
+
+
+def check_pipelined(name: str, method: str, schedule: str | None, seam: dict) -> None:
+    """Refuse what context parallelism inside a pipeline cannot run exactly.
+
+    1f1b, interleaved and zb-h1 run each stage's work in a conditional (a stage idles on some
+    ticks). Ring attention's ``ppermute`` inside it is wrong on XLA:CPU: a collective-permute
+    meets every device of the program, and devices in different stages reach it at different
+    ticks (measured: wrong values, or a hang). The all-gather and the all-to-all meet only their
+    own context group, and are exact there.
+    """
+    if schedule is None:
+        return
+    if "positions" not in seam:
+        raise ContextParallelError(
+            f"a pipeline with context parallelism runs each layer on its device's slice of the "
+            f"sequence, and workload {name!r} takes its positions elsewhere than the positions "
+            f"kernel, so they would be those of the slice; make the model call "
+            f"models.kernels.resolve('positions', default) (models.layers.SelfAttention does), "
+            f"or use a mesh with stage=1 or {AXIS}=1"
+        )
+    if method == "ring" and schedule not in LOCKSTEP:
+        raise ContextParallelError(
+            f"context_method='ring' inside the {schedule!r} pipeline schedule: its stages idle "
+            f"in turn, and ring attention's collective-permutes must run on every device at "
+            f"once; use --context-method allgather or ulysses with {schedule!r}, or --schedule "
+            f"gpipe or circular with ring"
+        )

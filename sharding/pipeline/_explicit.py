@@ -22,6 +22,7 @@ gradients, so it is exposed to autodiff through `jax.custom_vjp` whose backward 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from jax import sharding as jshard
 from sharding._mesh import BATCH_AXES
 from sharding._stack import LayerFn
 from sharding.pipeline._kinds import IDLE, Kind
-from sharding.pipeline._layers import Layers, uniform
+from sharding.pipeline._layers import Layers, micro_spec, replicas, uniform
 from sharding.pipeline._schedule import Schedule
 from sharding.pipeline._split import Split
 
@@ -106,6 +107,9 @@ def explicit_pipeline(
     mesh: jshard.Mesh,
     schedule: Schedule,
     valid: np.ndarray | None = None,
+    sequence: tuple[str, ...] = (),
+    seq: int | None = None,
+    enter: Callable | None = None,
 ) -> jax.Array:
     """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest` and the
     floating-point `extras_m`.
@@ -122,7 +126,12 @@ def explicit_pipeline(
         rest: every other parameter (head, norms, embeddings), replicated over ``stage``.
         extras_m: the stack's extra inputs, each ``[m, b, ...]``; batch_m: the batch as
             ``[m, b, ...]``.
+        sequence, seq: the axes splitting the stack's sequence (of length ``seq``) outside the
+            layers; over context, the region is manual over it too (`replicas`) and each
+            device's loss is the mean over its slice of the sequence. ``enter``: applied to the
+            stack's input after ``embed`` (Megatron SP's split over the sequence), None: none.
     """
+    reps = replicas(sequence)
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
     fixed = [x for x, f in zip(extras_m, floats, strict=True) if not f]
 
@@ -132,17 +141,17 @@ def explicit_pipeline(
 
     def run(layers: Any, rest: Any, fex: list) -> tuple[jax.Array, tuple]:
         layer_specs = jax.tree.map(lambda _: P("stage"), layers)
-        micro = P(None, "data")
+        micro = lambda x: micro_spec(x, sequence, seq)  # noqa: E731
         body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, embed,
-                                 schedule, floats, valid)  # fmt: skip
+                                 schedule, floats, valid, reps, enter)  # fmt: skip
         return jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(layer_specs, jax.tree.map(lambda _: P(), rest),
-                      [micro] * len(extras_m), jax.tree.map(lambda _: micro, batch_m)),
+                      [micro(x) for x in extras_m], jax.tree.map(micro, batch_m)),
             out_specs=(P(), (layer_specs, jax.tree.map(lambda _: P(), rest),
-                             [micro] * len(fex))),
-            axis_names={"stage", "data"},
+                             [micro(x) for x in fex])),
+            axis_names={"stage", *reps},
         )(layers, rest, merged(fex), batch_m)  # fmt: skip
 
     @jax.custom_vjp
@@ -163,6 +172,8 @@ def _body(
     schedule: Schedule,
     floats: list[bool],
     valid_tab: np.ndarray | None,
+    reps: tuple[str, ...],
+    enter: Callable | None,
     layers: Any,
     rest: Any,
     extras_m: list,
@@ -175,18 +186,24 @@ def _body(
     sid = lax.axis_index("stage")
     # Varying casts hoisted out of the tick loop: their transposes (the gradient psums over data,
     # and over stage for `rest`) then run once per step.
-    w = jax.tree.map(lambda a: varying(a[0], "data"), layers)  # this stage's [v, Lr, ...]
-    rest = jax.tree.map(lambda a: varying(a, ("stage", "data")), rest)
+    everywhere = ("stage", *reps)
+    w = jax.tree.map(lambda a: varying(a[0], reps), layers)  # this stage's [v, Lr, ...]
+    rest = jax.tree.map(lambda a: varying(a, everywhere), rest)
     extras_m = [varying(a, "stage") for a in extras_m]
     batch_m = jax.tree.map(lambda a: varying(a, "stage"), batch_m)
     batch0 = jax.tree.map(lambda a: a[0], batch_m)
     x_shape = jax.eval_shape(embed, rest, batch0)
-    zero_x = varying(jnp.zeros(x_shape.shape, x_shape.dtype), ("stage", "data"))
+    zero_x = varying(jnp.zeros(x_shape.shape, x_shape.dtype), everywhere)
 
     def rows(fn: Callable) -> Callable:
         """``fn`` with its output's rows kept split over the automatic batch axes (fsdp, expert),
         as the stage's activations are: otherwise XLA may compute it whole on every device."""
         return lambda *a: lax.with_sharding_constraint(fn(*a), P(AUTO_BATCH_AXES))
+
+    def entered(r: Any, b: Any) -> jax.Array:
+        """The stack's input for micro-batch b, laid out as the layers take it."""
+        x = rows(embed)(r, b)
+        return x if enter is None else enter(x)
 
     def inputs(i: jax.Array) -> tuple[list, list]:
         """Micro-batch i's extra inputs: (the differentiable ones, the others in order)."""
@@ -207,7 +224,7 @@ def _body(
 
     def ring(n_slots: int, like: Any) -> Any:
         return jax.tree.map(
-            lambda a: varying(jnp.zeros((max(n_slots, 1), *a.shape), a.dtype), ("stage", "data")),
+            lambda a: varying(jnp.zeros((max(n_slots, 1), *a.shape), a.dtype), everywhere),
             like,
         )
 
@@ -222,7 +239,7 @@ def _body(
         first, last = (sid == 0) & (k == 0), (sid == p - 1) & (k == v - 1)
         batch_i = jax.tree.map(lambda a: a[i], batch_m)
         with jax.named_scope("pipeline_embed"):  # the first stage computes its micro-batch's input
-            x = lax.cond(first, uniform(rows(embed)), uniform(lambda r_, b_: zero_x), rest,
+            x = lax.cond(first, uniform(entered), uniform(lambda r_, b_: zero_x), rest,
                          batch_i)  # fmt: skip
         x = jnp.where(first, x, c["act"][jnp.maximum(tab["F.act"][t, sid], 0)])
         fex, ex = inputs(i)
@@ -266,7 +283,7 @@ def _body(
 
         def embed_grad(r: Any, b: Any, g: jax.Array) -> Any:
             g = lax.with_sharding_constraint(g.astype(x_shape.dtype), P(AUTO_BATCH_AXES))
-            return jax.vjp(lambda r_: rows(embed)(r_, b), r)[1](g)[0]
+            return jax.vjp(lambda r_: entered(r_, b), r)[1](g)[0]
 
         with jax.named_scope("pipeline_embed"):  # ... and its gradient, from the input gradient
             drest = lax.cond(first, uniform(embed_grad),
@@ -320,7 +337,7 @@ def _body(
         "gw": jax.tree.map(jnp.zeros_like, w),
         "grest": jax.tree.map(jnp.zeros_like, rest),
         "dex": [jnp.zeros_like(a) for a, f in zip(extras_m, floats, strict=True) if f],
-        "loss": lax.pcast(jnp.zeros((), jnp.float32), ("stage", "data"), to="varying"),
+        "loss": lax.pcast(jnp.zeros((), jnp.float32), everywhere, to="varying"),
     }
     if split:  # what follows the stack, its VJP cut in two like a layer's (`Split`)
 
@@ -356,11 +373,12 @@ def _body(
                                                     weights=False, valid=valid(0))[2])  # fmt: skip
         carry["wct"] = ring(n.weight_cotangents, wct)
     carry, _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
-    n_data = lax.axis_size("data")
-    # The loss is the mean over data replicas of each replica's micro-batch mean.
-    value = lax.psum(carry["loss"], ("stage", "data")) / n_data
-    gw = jax.tree.map(lambda g: psum32(g, "data")[None] / n_data, carry["gw"])
-    grest = jax.tree.map(lambda g: psum32(g, ("stage", "data")) / n_data, carry["grest"])
+    n_data = math.prod(lax.axis_size(a) for a in reps)
+    # The loss is the mean over data replicas (and sequence slices) of each one's micro-batch
+    # mean.
+    value = lax.psum(carry["loss"], everywhere) / n_data
+    gw = jax.tree.map(lambda g: psum32(g, reps)[None] / n_data, carry["gw"])
+    grest = jax.tree.map(lambda g: psum32(g, everywhere) / n_data, carry["grest"])
     # Every stage reads the extra inputs: their gradients add up over stages.
     dex = [psum32(g, "stage") / n_data for g in carry["dex"]]
     return value, (gw, grest, dex)

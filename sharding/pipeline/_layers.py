@@ -13,7 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax import sharding as jshard
 
+from sharding._manual import manual_axes
+from sharding._mesh import SEQUENCE_AXIS
 from sharding._stack import LayerFn
 from sharding.pipeline._split import Split
 
@@ -134,6 +137,34 @@ class Layers:
         return lax.scan(body, None, (w, res, boundary, ok))[1]
 
 
+P = jshard.PartitionSpec
+
+
+def replicas(sequence: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes a pipeline's shard_map is manual over besides ``stage``: ``data`` (so the
+    gradients' reduction can be placed once per step), and ``context`` when the sequence is
+    split over it, so that the attention kernels run on each device's slice directly (a
+    shard_map nested in this one cannot be differentiated on jax 0.10). Every stage weight is
+    replicated over these axes, its gradient summed over them."""
+    return ("data", *(a for a in sequence if a == SEQUENCE_AXIS))
+
+
+def micro_spec(x: jax.Array, sequence: tuple[str, ...], seq: int | None) -> P:
+    """The pipeline's spec of micro-batches ``x [m, b, ...]``: rows over data, and the
+    sequence over context for an array whose dim 2 is the sequence."""
+    context = tuple(a for a in sequence if a == SEQUENCE_AXIS)
+    return P(None, "data", *seq_tail(x.shape[1:], context, seq))
+
+
+def seq_tail(shape: tuple, sequence: tuple[str, ...], seq: int | None) -> list:
+    """The spec entries after the batch's of an array shaped ``[B, ...]``: ``sequence`` on
+    dim 1 where it is the stack's sequence (length ``seq``), None elsewhere."""
+    rest: list = [None] * (len(shape) - 1)
+    if sequence and rest and shape[1] == seq:
+        rest[0] = sequence[0] if len(sequence) == 1 else sequence
+    return rest
+
+
 def _varying_axes(x: jax.Array) -> frozenset:
     """The manual mesh axes ``x`` varies over (``aval.vma``; jax 0.10 keeps it in
     ``aval.manual_axis_type.varying``)."""
@@ -145,12 +176,12 @@ def _varying_axes(x: jax.Array) -> frozenset:
 
 
 def uniform(fn: Callable) -> Callable:
-    """``fn`` with every floating output varying over both manual axes, so that a `lax.cond`
+    """``fn`` with every floating output varying over every manual axis, so that a `lax.cond`
     between a layer and its skip (whose zeros vary over nothing) has one output type."""
 
     def run(*args: Any) -> Any:
         def cast(x: jax.Array) -> jax.Array:
-            missing = tuple(a for a in ("stage", "data") if a not in _varying_axes(x))
+            missing = tuple(sorted(manual_axes() - _varying_axes(x)))
             return lax.pcast(x, missing, to="varying") if missing else x
 
         return jax.tree.map(cast, fn(*args))

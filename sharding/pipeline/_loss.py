@@ -68,12 +68,38 @@ class Extras:
 
         return cls([leaves[i] for i in where], rebuild)
 
-    def layer_fn(self, call: StackCall) -> LayerFn:
+    def layer_fn(self, call: StackCall, pin: Callable[[nnx.Module], None] | None = None) -> LayerFn:
+        """One layer on ``h`` with its extra inputs, its modules pinned by ``pin`` (Megatron
+        sequence parallelism's gathers and scatters; nothing without it)."""
+
         def layer(state: Any, h: jax.Array, arrays: list) -> jax.Array:
             args, kwargs = self.rebuild(arrays)
-            return call.apply_layer(state, h, args, kwargs)
+            module = nnx.merge(call.graphdef, state)
+            if pin is not None:
+                pin(module)
+            return call.layer_call(module, h, *args, **kwargs)
 
         return layer
+
+
+@dataclass(frozen=True)
+class Whole:
+    """The sequence layout of a step that does not split the sequence: the interface
+    `sharding._sequence.SequenceLayout` gives a pipeline (``axes`` split the stack's activations,
+    ``outer`` the batch and what is outside the stack; ``pin`` a layer's modules; ``enter`` and
+    ``leave`` the stack's input and output)."""
+
+    axes: tuple[str, ...] = ()
+    outer: tuple[str, ...] = ()
+
+    def pin(self, module: nnx.Module) -> None:
+        return None
+
+    def enter(self, h: jax.Array) -> jax.Array:
+        return h
+
+    def leave(self, y: jax.Array) -> jax.Array:
+        return y
 
 
 def _leaf_name(call: StackCall, i: int) -> str:
@@ -104,6 +130,7 @@ def pipelined_loss(
     wrap: Callable | None,
     gathered: Any = None,
     stage_layers: tuple[int, ...] | None = None,
+    layout: Any = None,
 ) -> jax.Array:
     """``loss_fn(model, batch)``, the user's function as written, with the stack at module path
     ``stack`` pipelined over ``stage``.
@@ -116,27 +143,34 @@ def pipelined_loss(
     1f1b, interleaved and zb-h1 run the part after the stack per micro-batch on the last stage
     and average: exact for a loss that is a mean over the batch's rows (plus terms that read no
     stack weight). ``stage_layers``: balanced stages (`layer_slots`), None for equal ones.
+    ``layout``: how the strategy splits the sequence (`Whole`'s interface; None: it does not).
+    Over context, the micro-batches and the stack's output keep the split and the stages are
+    manual over context; over tensor (Megatron SP), each layer's modules are pinned as without
+    a pipeline, and the activations cross stages split over the sequence.
     """
+    layout = layout or Whole()
     if stage_layers is not None and len(set(stage_layers)) == 1:
         stage_layers = None  # equal stages: the stack's own layout, no slots to gather
     if schedule.explicit:
         return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
-                              stage_layers)  # fmt: skip
+                              stage_layers, layout)  # fmt: skip
     m = schedule.microbatches
 
     def run(call: StackCall) -> jax.Array:
         extras = Extras.of(call, stack)
-        h_m = to_microbatches(call.h, m, mesh)
-        extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
+        seq = _seq_len(call.h)
+        h_m = to_microbatches(layout.enter(call.h), m, mesh, layout.axes, seq)
+        extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
         layers = _gather(call.state, None if gathered is None else split_state(gathered, stack)[0])
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
         # head runs over all devices), not on all of them on every stage: the last stage's
         # rows are reduce-scattered over the stages rather than all-reduced to each.
         slots = None if stage_layers is None else layer_slots(stage_layers, schedule.stages,
                                                               schedule.repeats)  # fmt: skip
-        out = scan_pipeline(extras.layer_fn(call), layers, h_m, extras_m, mesh=mesh,
-                            schedule=schedule, wrap=wrap, rows=True, slots=slots)  # fmt: skip
-        return rows_over_stages(out, mesh)
+        out = scan_pipeline(extras.layer_fn(call, layout.pin), layers, h_m, extras_m, mesh=mesh,
+                            schedule=schedule, wrap=wrap, rows=True, slots=slots,
+                            sequence=layout.outer)  # fmt: skip
+        return rows_over_stages(layout.leave(out), mesh, layout.outer, seq)
 
     with taken_over(model, stack, run) as calls:
         value = loss_fn(model, batch)
@@ -154,6 +188,7 @@ def _loss_explicit(
     wrap: Callable | None,
     gathered: Any = None,
     stage_layers: tuple[int, ...] | None = None,
+    layout: Any = None,
 ) -> jax.Array:
     p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
@@ -177,7 +212,7 @@ def _loss_explicit(
 
     def head_loss(rest: Any, y: jax.Array, batch_i: dict, stack_state: Any = layer_shapes):
         model_i = nnx.merge(graphdef, join_state(stack_state, rest, stack))
-        with taken_over(model_i, stack, lambda _: y) as calls:
+        with taken_over(model_i, stack, lambda _: layout.leave(y)) as calls:
             value = loss_fn(model_i, batch_i)
         _only_call(calls, stack)
         return value
@@ -189,7 +224,8 @@ def _loss_explicit(
             loss_fn(model_i, batch_i)
         return _only_call(calls, stack).h
 
-    batch_m = {k: to_microbatches(v, m, mesh) for k, v in batch.items()}
+    seq = _seq_len(call.h)
+    batch_m = {k: to_microbatches(v, m, mesh, layout.outer, seq) for k, v in batch.items()}
     y_i = jax.ShapeDtypeStruct((call.h.shape[0] // m, *call.h.shape[1:]), call.h.dtype)
     b_i = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch_m.items()}
     if reads_inputs(lambda st, r, y, b: head_loss(r, y, b, st), (call.state, rest, y_i, b_i)):
@@ -200,7 +236,7 @@ def _loss_explicit(
             f"the optimizer (optax.add_decayed_weights) or use schedule 'gpipe' or 'circular', "
             f"which run the loss exactly as written"
         )
-    extras_m = [to_microbatches(x, m, mesh) for x in extras.arrays]
+    extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
     # What precedes the stack runs per micro-batch on the first stage, so no activation of the
     # whole batch is ever held: the step's temporaries stay flat in the micro-batch count.
     if reads_inputs(lambda st, r, b: embed(r, b, st), (call.state, rest, b_i)):
@@ -210,8 +246,14 @@ def _loss_explicit(
             f"its own layers. Compute the input without the layer weights, or use schedule "
             f"'gpipe' or 'circular', which run the loss exactly as written"
         )
-    return explicit_pipeline(extras.layer_fn(call), wrap, head_loss, embed, layers, rest,
-                             extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid)  # fmt: skip
+    return explicit_pipeline(extras.layer_fn(call, layout.pin), wrap, head_loss, embed, layers,
+                             rest, extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid,
+                             sequence=layout.outer, seq=seq, enter=layout.enter)  # fmt: skip
+
+
+def _seq_len(h: jax.Array) -> int | None:
+    """The stack's sequence length: dim 1 of activations ``[B, S, D]`` (None otherwise)."""
+    return h.shape[1] if h.ndim == 3 else None
 
 
 def _gather(state: Any, shardings: Any) -> Any:
@@ -230,4 +272,4 @@ def reads_inputs(fn: Callable, args: tuple) -> bool:
     return bool(first & used)
 
 
-__all__ = ["Extras", "pipelined_loss", "reads_inputs"]
+__all__ = ["Extras", "Whole", "pipelined_loss", "reads_inputs"]

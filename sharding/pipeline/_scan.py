@@ -27,6 +27,7 @@ from sharding._stack import LayerFn, apply_layers
 from sharding.pipeline._balance import check_stage_layers
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._explicit import psum32, varying
+from sharding.pipeline._layers import micro_spec, replicas, seq_tail
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
 
 P = jshard.PartitionSpec
@@ -80,10 +81,16 @@ def check_pipeline(spec: PipelineSpec, mesh: jshard.Mesh, n_layers: int, batch: 
     return schedule
 
 
-def to_microbatches(x: jax.Array, m: int, mesh: jshard.Mesh) -> jax.Array:
-    """[B, ...] -> [m, B/m, ...] keeping each device's rows local (micro-batch k: rows k::m)."""
+def to_microbatches(
+    x: jax.Array, m: int, mesh: jshard.Mesh, sequence: tuple[str, ...] = (), seq: int | None = None
+) -> jax.Array:
+    """[B, ...] -> [m, B/m, ...] keeping each device's rows local (micro-batch k: rows k::m).
+
+    ``sequence``: the mesh axes that split dim 1 of an array whose dim 1 is the stack's
+    sequence (length ``seq``), kept split (context parallelism inside a pipeline).
+    """
     x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
-    spec = P(None, BATCH_AXES, *([None] * (x.ndim - 2)))
+    spec = P(None, BATCH_AXES, *seq_tail(x.shape[1:], sequence, seq))
     return lax.with_sharding_constraint(x, jshard.NamedSharding(mesh, spec))
 
 
@@ -121,6 +128,7 @@ def scan_pipeline(
     wrap: Callable | None,
     rows: bool = False,
     slots: tuple[np.ndarray, np.ndarray] | None = None,
+    sequence: tuple[str, ...] = (),
 ) -> jax.Array:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
@@ -132,8 +140,10 @@ def scan_pipeline(
     receives its share of the last stage's rows, a reduce-scatter instead of an all-reduce) where
     they divide and no ``fsdp`` axis splits them further; else on every stage.
     ``slots``: balanced stages' ``(index, valid)`` from `layer_slots` (spare slots skipped).
+    ``sequence``: ``("context",)`` when the sequence is split over context (`replicas`).
     Differentiated by autodiff through the scan.
     """
+    reps = replicas(sequence)
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
     sizes = dict(mesh.shape)
     scatter = rows and sizes.get("fsdp", 1) == 1 and (h_m.shape[1] // sizes["data"] * m) % p == 0
@@ -148,7 +158,7 @@ def scan_pipeline(
         # This stage's [r, L/(p r), ...]. Cast to data-varying here, outside the tick loop: the
         # transpose of this cast is the data-parallel gradient psum, which then runs once per
         # step instead of once per tick (XLA otherwise reduces each tick's weight gradient).
-        w = jax.tree.map(lambda a: varying(a[0], "data"), w)
+        w = jax.tree.map(lambda a: varying(a[0], reps), w)
         sid = lax.axis_index("stage")
         # Hoisted so the transpose (a psum over stage of the input cotangent) runs once per step.
         h_m = varying(h_m, "stage")
@@ -229,14 +239,16 @@ def scan_pipeline(
     spec_layers = jax.tree.map(lambda _: P("stage"), stage_layers)
     # Manual over stage (the schedule) and data (so the gradient psum can be placed); fsdp and
     # tensor stay automatic inside each stage.
-    batch_spec = P(None, "data")
-    out_spec = batch_spec if not rows else P(("data", "stage") if scatter else "data")
+    seq = h_m.shape[2] if h_m.ndim == 4 else None
+    batch_spec = micro_spec(h_m, sequence, seq)
+    tail = seq_tail(h_m.shape[1:], sequence, seq)
+    out_spec = batch_spec if not rows else P(("data", "stage") if scatter else "data", *tail)
     return jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(spec_layers, batch_spec, [batch_spec] * len(extras_m)),
+        in_specs=(spec_layers, batch_spec, [micro_spec(e, sequence, seq) for e in extras_m]),
         out_specs=out_spec,
-        axis_names={"stage", "data"},
+        axis_names={"stage", *reps},
     )(stage_layers, h_m, extras_m)
 
 
@@ -247,8 +259,11 @@ def _psum_scatter32(x: jax.Array, axis: str) -> jax.Array:
     return lax.psum_scatter(x.astype(jnp.float32), axis, tiled=True).astype(x.dtype)
 
 
-def rows_over_stages(y: jax.Array, mesh: jshard.Mesh) -> jax.Array:
-    """The stack's output with its rows split over the batch axes and ``stage``.
+def rows_over_stages(
+    y: jax.Array, mesh: jshard.Mesh, sequence: tuple[str, ...] = (), seq: int | None = None
+) -> jax.Array:
+    """The stack's output with its rows split over the batch axes and ``stage`` (its sequence
+    over ``sequence``, as `to_microbatches`).
 
     What follows the stack (the user's head and loss) then runs on 1/p of each data shard's rows
     on each stage, as on a mesh without stages, instead of on all of them on every stage. A batch
@@ -257,7 +272,7 @@ def rows_over_stages(y: jax.Array, mesh: jshard.Mesh) -> jax.Array:
     axes = (*BATCH_AXES, "stage")
     if y.ndim == 0 or y.shape[0] % int(np.prod([dict(mesh.shape).get(a, 1) for a in axes])):
         return y
-    spec = P(axes, *([None] * (y.ndim - 1)))
+    spec = P(axes, *seq_tail(y.shape, sequence, seq))
     return lax.with_sharding_constraint(y, jshard.NamedSharding(mesh, spec))
 
 

@@ -1,0 +1,145 @@
+"""Pipelines combined with the sequence splits: context parallelism (pp_cp) and Megatron sequence
+parallelism (pp_tp_sp) inside each stage.
+
+Each schedule and attention method against the single-device step (loss and every gradient,
+float32); the bytes attention moves over context against `context_traffic` per tick; SP's
+gathers and its saving in temporaries against pp_tp; and what is refused, before compiling.
+Tiny sizes (llama tiny with 4 layers, batch 8, seq 32, 2 micro-batches); each program is
+compiled once per module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from functools import cache
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from models.kernels import use as use_kernels
+from sharding import SequenceLayoutError, Workload, build_program, make_mesh
+from sharding.context import ContextParallelError, context_traffic
+
+BATCH, SEQ, LAYERS, MICRO = 8, 32, 4, 2
+PP_CP, PP_TP_SP = "stage=2,data=2,context=2", "stage=2,data=2,tensor=2"
+
+
+def workload(family: str = "llama") -> Workload:
+    fam = models.get_family(family)
+    return Workload.from_family(fam, fam.config("tiny", n_layers=LAYERS))
+
+
+@cache
+def program(family: str, strategy: str, mesh: str, schedule: str, method: str | None = None):
+    return build_program(workload(family), strategy, mesh, batch=BATCH, seq=SEQ,
+                         schedule=schedule, microbatches=MICRO, context_method=method)  # fmt: skip
+
+
+@cache
+def batch(family: str) -> dict:
+    fam = models.get_family(family)
+    cfg = fam.config("tiny", n_layers=LAYERS)
+    return {k: np.asarray(v) for k, v in fam.make_batch(cfg, BATCH, SEQ, key=jax.random.key(7)).items()}  # fmt: skip
+
+
+@cache
+def loss_and_grads(family: str, strategy: str, mesh: str, schedule: str | None, method=None):
+    if schedule is None:  # the reference: one device
+        prog = build_program(workload(family), "dp", make_mesh("data=1", jax.devices()[:1]),
+                             batch=BATCH, seq=SEQ)  # fmt: skip
+    else:
+        prog = program(family, strategy, mesh, schedule, method)
+    loss, grads = prog.loss_and_grads(prog.init(seed=0)["params"], batch(family))
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+CASES = [
+    ("llama", "pp_cp", PP_CP, "gpipe", "ring"),
+    ("llama", "pp_cp", PP_CP, "circular", "allgather"),
+    ("llama", "pp_cp", PP_CP, "gpipe", "ulysses"),
+    ("llama", "pp_cp", PP_CP, "1f1b", "allgather"),
+    ("llama", "pp_cp", PP_CP, "zb-h1", "ulysses"),
+    ("llama", "pp_cp", PP_CP, "interleaved", "allgather"),
+    ("gpt2", "pp_cp", PP_CP, "gpipe", "ring"),  # a learned position table, through the seam
+    ("llama", "pp_tp_sp", PP_TP_SP, "gpipe", None),
+    ("llama", "pp_tp_sp", PP_TP_SP, "1f1b", None),
+    ("llama", "pp_tp_sp", PP_TP_SP, "zb-h1", None),
+]
+
+
+@pytest.mark.parametrize(("family", "strategy", "mesh", "schedule", "method"), CASES,
+                         ids=["-".join(filter(None, c)) for c in CASES])  # fmt: skip
+def test_pipeline_with_a_sequence_split_matches_one_device(family, strategy, mesh, schedule,
+                                                           method):  # fmt: skip
+    loss, grads = loss_and_grads(family, strategy, mesh, schedule, method)
+    ref_loss, ref_grads = loss_and_grads(family, "dp", "one device", None)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def collective_bytes(prog, axes: tuple[str, ...]) -> dict[str, int]:
+    got: dict[str, int] = defaultdict(int)
+    for op in prog.report().collectives:
+        if op.axes == axes:
+            got[op.kind] += op.bytes * op.multiplicity
+    return dict(got)
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_attention_moves_its_closed_form_over_context_on_every_tick(method):
+    """gpipe runs every stage's layers on every tick (m + p - 1 of them, bubbles on zeros), each
+    on one micro-batch: attention's bytes over context are exactly that many times those of
+    the stage's layers on one micro-batch."""
+    got = collective_bytes(program("llama", "pp_cp", PP_CP, "gpipe", method), ("context",))
+    cfg, sizes = workload().config, dict(make_mesh(PP_CP).shape)
+    ticks = MICRO + sizes["stage"] - 1
+    want: dict[str, int] = defaultdict(int)
+    for t in context_traffic(method, batch=BATCH // MICRO, seq=SEQ, heads=cfg.n_heads,
+                             kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                             layers=LAYERS // sizes["stage"], context=sizes["context"],
+                             batch_shards=sizes["data"], batch_over_context=False):  # fmt: skip
+        want[t.kind] += t.bytes * ticks
+    # Besides these, only the gradients of what is outside the stack are reduced over context.
+    assert {k: v for k, v in got.items() if k != "all-reduce"} == dict(want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sequence_parallel_stages_gather_and_save_temporaries(schedule):
+    """Inside the stages, SP all-gathers the sequence before each column-parallel matmul (pp_tp
+    all-gathers nothing over tensor) and holds less: norms and residuals on S/t."""
+    sp, tp = program("llama", "pp_tp_sp", PP_TP_SP, schedule), program("llama", "pp_tp",
+                                                                       PP_TP_SP, schedule)  # fmt: skip
+    assert collective_bytes(sp, ("tensor",)).get("all-gather", 0) > 0
+    assert "all-gather" not in collective_bytes(tp, ("tensor",))
+    assert sp.report().memory.temp < 0.95 * tp.report().memory.temp
+
+
+def test_ring_inside_an_explicit_schedule_is_refused():
+    with pytest.raises(ContextParallelError, match=r"'ring' inside the '1f1b'.*allgather or "
+                       r"ulysses.*gpipe or circular"):  # fmt: skip
+        program("llama", "pp_cp", PP_CP, "1f1b", "ring")
+
+
+def test_positions_outside_the_seam_are_refused_inside_a_pipeline():
+    """A stage sees its own slice of the sequence: positions computed by the model would be
+    the slice's, so the model must take them from the positions kernel."""
+
+    def attention_only(**kernels):
+        kernels.pop("positions", None)
+        return use_kernels(**kernels) if kernels else contextlib.nullcontext()
+
+    work = dataclasses.replace(workload(), kernels=attention_only)
+    with pytest.raises(ContextParallelError, match=r"slice of the sequence.*positions kernel"):
+        build_program(work, "pp_cp", PP_CP, batch=BATCH, seq=SEQ, schedule="gpipe",
+                      microbatches=MICRO, context_method="ulysses")  # fmt: skip
+
+
+def test_context_with_other_splits_inside_a_pipeline_is_refused():
+    with pytest.raises(SequenceLayoutError, match=r"inside a pipeline.*tensor=2.*pp_cp"):
+        build_program(workload(), "pp_cp", "stage=2,context=2,tensor=2", batch=BATCH, seq=SEQ,
+                      schedule="gpipe", microbatches=MICRO)  # fmt: skip
