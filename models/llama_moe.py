@@ -18,8 +18,9 @@ Parameter paths (L = n_layers stacked on the leading axis, E = n_experts):
 The auxiliary loss crosses the layer stack as part of its carry: the model calls
 ``self.layers((h, aux))`` and each block returns ``(h, aux + its own)``, so the loss is the
 mean next-token cross-entropy plus ``aux_loss_coef`` times the mean over layers of each layer's
-load-balancing loss. A pipeline passes one activation array between stages, so this family
-trains under every strategy but the pipelined ones (spmdkit refuses those by name).
+load-balancing loss. Each block adds its own term to the carried value, so a pipeline can run
+the blocks of each stage apart and add up their terms (gpipe and circular do; each micro-batch's
+loss is then its own, as under gradient accumulation).
 
 Example:
     >>> cfg = config("tiny")

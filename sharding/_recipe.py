@@ -132,6 +132,14 @@ def build_program(
             f"context parallelism inside a pipeline needs a strategy that does, pp_cp; or use "
             f"context=1"
         )
+    if pipeline is not None and dict(mesh.shape).get("expert", 1) > 1:
+        raise StepConfigError(
+            f"strategy {strategy!r} pipelines over stage={stages} on a mesh with "
+            f"expert={dict(mesh.shape)['expert']}: expert parallelism inside a pipeline's stages "
+            f"is not supported yet. Pipeline a mixture of experts with its experts whole in "
+            f"each stage (pp, pp_tp or pp_fsdp on a mesh with expert=1), or split the experts "
+            f"without stages (ep, fsdp_ep, ep_tp)"
+        )
     kernels, batch_order = context_kernels(work, mesh, context_method, seq or work.seq,
                                            None if pipeline is None else pipeline.schedule)  # fmt: skip
     kernels = {**kernels, **expert_kernels(work, mesh)}  # expert > 1: expert parallelism

@@ -30,7 +30,9 @@ class StackError(StepConfigError):
 
 
 class StackCarryError(StackError):
-    """A stack whose layers carry more than one array (``(h, aux)``) asked to be pipelined."""
+    """A stack whose layers carry more than one array (``(h, aux)``) where only activations can
+    go: a pipeline schedule that runs the loss per micro-batch, or side values that are not
+    floating-point arrays."""
 
 
 @dataclass
@@ -39,7 +41,8 @@ class StackCall:
 
     ``carry`` is ``h``, or a tuple ``(h, *side)`` when the layers carry side values past the
     activations (a mixture of experts' load-balancing loss): each layer takes and returns the
-    tuple. Only the scanned stack runs those; ``h`` refuses them for the pipelines.
+    tuple, adding its own term to each side value. The scanned stack and the gpipe and circular
+    pipelines run those; ``h`` refuses them where one activation array must go.
     """
 
     graphdef: nnx.GraphDef
@@ -57,9 +60,8 @@ class StackCall:
             raise StackCarryError(
                 f"the stack {self.path!r} carries a tuple of {len(self.carry)} values from layer "
                 f"to layer (activations and side values such as a mixture of experts' "
-                f"load-balancing loss); a pipeline passes one activation array between stages, "
-                f"so it cannot run this model. Use a strategy without 'stage' (dp, fsdp, tp, "
-                f"ep, fsdp_ep) and a mesh with stage=1"
+                f"load-balancing loss), and this use of it takes one activation array; pipeline "
+                f"it with --schedule gpipe or circular, or use a strategy without 'stage'"
             )
         return self.carry
 

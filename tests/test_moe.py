@@ -1,6 +1,6 @@
 """Mixture of experts: the layer against loop references, llama-moe trained under every
-non-pipelined strategy (expert parallelism included) against one device, EP's all-to-all bytes
-against their closed form, and the refusals."""
+non-pipelined strategy (expert parallelism included) and pipelined (gpipe, circular) against one
+device, EP's all-to-all bytes against their closed form, and the refusals."""
 
 from __future__ import annotations
 
@@ -10,18 +10,25 @@ from functools import cache
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from models import ModelConfigError, llama_moe, moe
+from models.layers import make_stacked
+from partition_rules import STRATEGIES as STRATEGY_MAPS
+from partition_rules import Rules
 from sharding import (
     IndivisibleDimensionError,
     StackCarryError,
+    StepConfigError,
     Workload,
     build_program,
+    compile_train_step,
     make_mesh,
 )
 from sharding.experts import ExpertParallelError, ep_all_to_all_bytes, expert_parallel
+from sharding.pipeline import PipelineSpec
 
 B, S = 8, 16
 # E=4, k=2: capacity_factor 2 gives C = S, so nothing can drop; 1.0 drops (checked below).
@@ -245,7 +252,87 @@ def test_experts_the_expert_axis_does_not_divide_are_refused():
         )
 
 
-def test_pipeline_strategies_are_refused_by_name():
-    with pytest.raises(StackCarryError, match=r"stack 'layers' carries a tuple of 2 values.*"
-                                              r"pipeline passes one activation array"):  # fmt: skip
-        build_program(work(NO_DROPS), "pp", "stage=2,data=4", batch=2 * B, seq=S)
+# --- llama-moe in pipelines -------------------------------------------------------------------
+
+# (strategy, mesh, schedule): the experts whole in each stage; the balancing loss crosses stages.
+PIPELINES = [("pp", "stage=2,data=4", "gpipe"), ("pp_tp", "stage=2,data=2,tensor=2", "circular"),
+             ("pp_fsdp", "stage=2,fsdp=4", "gpipe")]  # fmt: skip
+MICRO = 2
+
+
+def grouped_reference(params, data: int):
+    """One device: the cross-entropy of the whole batch plus the balancing loss averaged over the
+    pipeline's groups of rows, each micro-batch (rows k::m) on each data shard, as a pipeline
+    computes it (like gradient accumulation: a batch statistic is per micro-batch)."""
+    cfg, inputs = llama_moe.config("tiny", capacity_factor=NO_DROPS), batch()["inputs"]
+    graphdef = nnx.split(llama_moe.Model(cfg, rngs=nnx.Rngs(0)), nnx.Param)[0]
+
+    def loss(p):
+        model = nnx.merge(graphdef, p)
+        logits, _ = model.forward(inputs)
+        rows, b = np.arange(B), B // MICRO
+        groups = [rows[k::MICRO][d * b // data : (d + 1) * b // data]
+                  for k in range(MICRO) for d in range(data)]  # fmt: skip
+        aux = jnp.mean(jnp.stack([model.forward(inputs[g])[1] for g in groups]))
+        return llama_moe.loss_from_logits(logits, batch()) + cfg.aux_loss_coef * aux
+
+    value, grads = jax.value_and_grad(loss)(
+        jax.device_put(jax.device_get(params), jax.devices()[0])
+    )
+    return float(value), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.parametrize(("strategy", "mesh", "schedule"), PIPELINES,
+                         ids=[p[0] for p in PIPELINES])  # fmt: skip
+def test_pipelines_carry_the_load_balancing_loss(strategy, mesh, schedule):
+    """gpipe and circular carry ``(h, aux)``: each stage adds its layers' terms per micro-batch,
+    and the step equals one device computing the loss over the same groups of rows."""
+    prog = build_program(work(NO_DROPS), strategy, mesh, batch=B, seq=S, schedule=schedule,
+                         microbatches=MICRO)  # fmt: skip
+    params = prog.init(0)["params"]
+    loss, grads = prog.loss_and_grads(params, batch())
+    data = dict(make_mesh(mesh).shape)["data"]  # fsdp stays automatic inside the stages
+    assert_same((float(loss), jax.tree.map(np.asarray, grads)), grouped_reference(params, data))
+
+
+def test_what_pipelines_cannot_run_of_a_mixture_of_experts_is_refused():
+    with pytest.raises(StackCarryError, match=r"carries side values.*1f1b runs what follows the "
+                                              r"stack per micro-batch.*gpipe or circular"):  # fmt: skip
+        build_program(work(NO_DROPS), "pp", "stage=2,data=4", batch=B, seq=S, schedule="1f1b",
+                      microbatches=MICRO)  # fmt: skip
+    with pytest.raises(StepConfigError, match=r"expert=4: expert parallelism inside a "
+                                              r"pipeline's stages.*pp, pp_tp or pp_fsdp"):  # fmt: skip
+        build_program(work(NO_DROPS), "pp", "stage=2,expert=4", batch=B, seq=S)
+
+
+class Damped(nnx.Module):
+    """A user's layer whose side value is not a sum of per-layer terms (it halves it)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(0.1 * jax.random.normal(rngs.params(), (8, 8)))
+
+    def __call__(self, carry):
+        h, side = carry
+        return h + jnp.tanh(h @ self.w[...]), 0.5 * side + jnp.mean(h**2)
+
+
+class DampedNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = make_stacked(Damped, 4, rngs)
+
+    def __call__(self, x):
+        return self.blocks((x, jnp.zeros((), jnp.float32)))
+
+
+def test_side_values_a_layer_does_not_add_to_are_refused():
+    """Stages sum their terms apart: a side value each layer rescales would come out wrong."""
+
+    def loss(model, batch):
+        h, side = model(batch["x"])
+        return jnp.mean(h**2) + side
+
+    with pytest.raises(StackCarryError, match=r"side values that its layers do not simply add"):
+        compile_train_step(DampedNet, loss, optax.sgd(0.1), Rules([(r"blocks/w", ("layers", None,
+                           None))]), STRATEGY_MAPS["pp"], make_mesh("stage=2,data=4"),
+                           {"x": jax.ShapeDtypeStruct((B, 4, 8), jnp.float32)},
+                           pipeline=PipelineSpec("gpipe", MICRO), stack="blocks")  # fmt: skip

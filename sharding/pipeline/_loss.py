@@ -19,7 +19,14 @@ from flax import nnx
 from jax import lax
 from jax import sharding as jshard
 
-from sharding._stack import LayerFn, StackCall, join_state, split_state, taken_over
+from sharding._stack import (
+    LayerFn,
+    StackCall,
+    StackCarryError,
+    join_state,
+    split_state,
+    taken_over,
+)
 from sharding.pipeline._balance import layer_slots
 from sharding.pipeline._explicit import explicit_pipeline
 from sharding.pipeline._scan import (
@@ -46,7 +53,8 @@ class Extras:
     @classmethod
     def of(cls, call: StackCall, path: str) -> Extras:
         leaves, treedef = jax.tree.flatten((call.args, call.kwargs))
-        rows = call.h.shape[0]
+        h = activations(call)
+        rows = h.shape[0]
         where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
         for i in where:
             x = leaves[i]
@@ -56,7 +64,7 @@ class Extras:
                     f"the stack {path!r} is called with {name} of shape {tuple(x.shape)}, but a "
                     f"pipeline cuts every array input of the stack into micro-batches along its "
                     f"first axis, which must be the batch ({rows} rows, as for h "
-                    f"{tuple(call.h.shape)}); broadcast it in the model, e.g. "
+                    f"{tuple(h.shape)}); broadcast it in the model, e.g. "
                     f"jnp.broadcast_to(x, ({rows}, *x.shape))"
                 )
 
@@ -156,10 +164,13 @@ def pipelined_loss(
                               stage_layers, layout)  # fmt: skip
     m = schedule.microbatches
 
-    def run(call: StackCall) -> jax.Array:
+    def run(call: StackCall) -> Any:
         extras = Extras.of(call, stack)
-        seq = _seq_len(call.h)
-        h_m = to_microbatches(layout.enter(call.h), m, mesh, layout.axes, seq)
+        h, sides = activations(call), side_values(call, stack)
+        if sides:
+            check_added(extras.layer_fn(call), call.state, h, sides, extras.arrays, stack)
+        seq = _seq_len(h)
+        h_m = to_microbatches(layout.enter(h), m, mesh, layout.axes, seq)
         extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
         layers = _gather(call.state, None if gathered is None else split_state(gathered, stack)[0])
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
@@ -169,8 +180,11 @@ def pipelined_loss(
                                                               schedule.repeats)  # fmt: skip
         out = scan_pipeline(extras.layer_fn(call, layout.pin), layers, h_m, extras_m, mesh=mesh,
                             schedule=schedule, wrap=wrap, rows=True, slots=slots,
-                            sequence=layout.outer)  # fmt: skip
-        return rows_over_stages(layout.leave(out), mesh, layout.outer, seq)
+                            sequence=layout.outer, sides=sides)  # fmt: skip
+        y = rows_over_stages(layout.leave(out[0] if sides else out), mesh, layout.outer, seq)
+        if not sides:
+            return y
+        return (y, *(s + mean.astype(s.dtype) for s, mean in zip(sides, out[1:], strict=True)))
 
     with taken_over(model, stack, run) as calls:
         value = loss_fn(model, batch)
@@ -192,9 +206,21 @@ def _loss_explicit(
 ) -> jax.Array:
     p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
+
+    def passthrough(call: StackCall) -> jax.Array:
+        if isinstance(call.carry, tuple):
+            raise StackCarryError(
+                f"the stack {stack!r} carries side values past its activations ((h, aux): a "
+                f"mixture of experts' load-balancing loss, say); {schedule.name} runs what "
+                f"follows the stack per micro-batch on the last stage and passes activations "
+                f"alone between stages. Use --schedule gpipe or circular, which carry the side "
+                f"values (each stage adds its layers' terms)"
+            )
+        return call.carry
+
     # The stack's input: the user's loss traced with the stack passing its input through. Only
     # the part before the stack is used (XLA drops the rest as dead code).
-    with taken_over(model, stack, lambda call: call.h) as calls:
+    with taken_over(model, stack, passthrough) as calls:
         loss_fn(model, batch)
     call = _only_call(calls, stack)
     extras = Extras.of(call, stack)
@@ -249,6 +275,64 @@ def _loss_explicit(
     return explicit_pipeline(extras.layer_fn(call, layout.pin), wrap, head_loss, embed, layers,
                              rest, extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid,
                              sequence=layout.outer, seq=seq, enter=layout.enter)  # fmt: skip
+
+
+def activations(call: StackCall) -> jax.Array:
+    """The activations the stack carries (its carry, or the first value of a tuple carry)."""
+    return call.carry[0] if isinstance(call.carry, tuple) else call.carry
+
+
+def side_values(call: StackCall, path: str) -> tuple:
+    """The side values a tuple carry holds past the activations, refused unless each is a
+    floating-point array a layer can add its own term to."""
+    if not isinstance(call.carry, tuple):
+        return ()
+    sides = tuple(call.carry[1:])
+    for i, x in enumerate(sides):
+        if not (isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.inexact)):
+            raise StackCarryError(
+                f"the stack {path!r} carries {type(x).__name__} "
+                f"{getattr(x, 'dtype', '')} as side value {i + 1} of its (h, ...) carry; a "
+                f"pipeline sums the side values' per-layer terms, so each must be a "
+                f"floating-point array (an auxiliary loss), or the model must keep it out of "
+                f"the carry"
+            )
+    return sides
+
+
+# Primitives that move or re-type a value without changing it (what a sharding pin adds).
+_LAYOUT_ONLY = frozenset({"reshard", "sharding_constraint", "copy", "copy_p", "pvary", "pcast",
+                          "convert_element_type"})  # fmt: skip
+
+
+def check_added(layer_fn: LayerFn, state: Any, h: jax.Array, sides: tuple, arrays: list,
+                path: str) -> None:  # fmt: skip
+    """Refuse side values a layer does not just add its own term to.
+
+    A pipeline's stages each start a micro-batch's side values from zeros and the terms are
+    summed afterwards, which is the layers' own computation only if each returns ``side +
+    term(h)``: the derivative of a side value out with respect to the one in is then the
+    identity, which the linearized layer shows as its input passed straight through (traced
+    abstractly on the first layer; nothing runs).
+    """
+    first = jax.tree.map(lambda a: a[0], state)
+
+    def out(side: tuple) -> tuple:
+        return tuple(layer_fn(first, (h, *side), arrays)[1:])
+
+    _, linear = jax.linearize(out, sides)
+    jaxpr = jax.make_jaxpr(linear)(sides).jaxpr
+    alias = {v: v for v in jaxpr.invars}  # each value that is an input, moved but not changed
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _LAYOUT_ONLY and len(eqn.invars) == 1 and eqn.invars[0] in alias:
+            alias[eqn.outvars[0]] = alias[eqn.invars[0]]
+    if [alias.get(v) for v in jaxpr.outvars] != list(jaxpr.invars):
+        raise StackCarryError(
+            f"the stack {path!r} carries side values that its layers do not simply add to "
+            f"(each layer must return side + its own term, as llama-moe's load-balancing loss "
+            f"does): a pipeline's stages compute their terms apart and sum them. Keep the "
+            f"value out of the carry, or use a strategy without 'stage'"
+        )
 
 
 def _seq_len(h: jax.Array) -> int | None:

@@ -13,6 +13,7 @@ once; none: nothing is recomputed). `sharding.pipeline._loss` runs the user's lo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax import sharding as jshard
 
+from sharding._manual import manual_axes
 from sharding._stack import LayerFn, apply_layers
 from sharding.pipeline._balance import check_stage_layers
 from sharding.pipeline._errors import PipelineError
@@ -129,7 +131,8 @@ def scan_pipeline(
     rows: bool = False,
     slots: tuple[np.ndarray, np.ndarray] | None = None,
     sequence: tuple[str, ...] = (),
-) -> jax.Array:
+    sides: tuple[Any, ...] = (),
+) -> Any:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
     ``extras_m``: the stack's extra inputs, each ``[m, b, ...]``; micro-batch i's reach every
@@ -141,6 +144,12 @@ def scan_pipeline(
     they divide and no ``fsdp`` axis splits them further; else on every stage.
     ``slots``: balanced stages' ``(index, valid)`` from `layer_slots` (spare slots skipped).
     ``sequence``: ``("context",)`` when the sequence is split over context (`replicas`).
+    ``sides``: the shapes of the side values the layers carry past the activations (a mixture
+    of experts' load-balancing loss; `sharding._stack.StackCall`). Each layer adds its own term
+    to them: each stage starts every micro-batch from zeros and adds its layers' terms, and the
+    result is ``(outputs, *sides)`` with each side value the mean over micro-batches and data
+    shards of their sums over the layers (the sequence's terms per micro-batch, as with gradient
+    accumulation).
     Differentiated by autodiff through the scan.
     """
     reps = replicas(sequence)
@@ -203,8 +212,18 @@ def scan_pipeline(
 
                 return apply_layers(layer, jnp.arange(per), h, extras, wrap)
 
+        every = tuple(sorted(manual_axes()))
+
+        def stage_apply(j: jax.Array, x: jax.Array, extras: list) -> tuple[jax.Array, tuple]:
+            """The stage's layers on micro-batch x: (activations, its terms of the sides)."""
+            if not sides:
+                return apply(j, x, extras), ()
+            zeros = tuple(varying(jnp.zeros(a.shape, a.dtype), every) for a in sides)
+            out = apply(j, (x, *zeros), extras)
+            return out[0], tuple(out[1:])
+
         def tick(carry: tuple, t: jax.Array) -> tuple[tuple, jax.Array]:
-            arriving, circ = carry
+            arriving, circ, acc = carry
             k = t - sid  # position of this stage's work in its repeat-major stream
             valid = (k >= 0) & (k < r * m)
             i, j = jnp.clip(k % m, 0, m - 1), jnp.clip(k // m, 0, r - 1)
@@ -214,7 +233,10 @@ def scan_pipeline(
             x = jnp.where(sid == 0, first, arriving)
             # Bubble ticks compute on zeros: no NaN, and no cotangent reaches a real value.
             x = jnp.where(valid, x, jnp.zeros_like(x))
-            y = apply(j, x, [e[i] for e in extras_m])
+            y, terms = stage_apply(j, x, [e[i] for e in extras_m])
+            acc = tuple(
+                a + jnp.where(valid, d, jnp.zeros_like(d)) for a, d in zip(acc, terms, strict=True)
+            )
             sent = _shift_next(y, p)
             # Stage 0 keeps what the last stage finished (micro-batch i of repeat j) for repeat j+1.
             done = t - (p - 1)
@@ -224,17 +246,22 @@ def scan_pipeline(
                 if r > 1
                 else circ
             )
-            return (sent, circ), y
+            return (sent, circ, acc), y
 
         zeros = jnp.zeros_like(h_m[0])
         circ0 = jnp.zeros_like(h_m) if r > 1 else jnp.zeros((0,), h_m.dtype)
-        _, ys = lax.scan(tick, (zeros, circ0), jnp.arange(ticks))
+        acc0 = tuple(varying(jnp.zeros(a.shape, a.dtype), every) for a in sides)
+        (_, _, acc), ys = lax.scan(tick, (zeros, circ0, acc0), jnp.arange(ticks))
+        # Every micro-batch's terms are on the stages that ran its layers: their sum over stages,
+        # averaged over micro-batches and data shards.
+        groups = m * math.prod(lax.axis_size(a) for a in reps)
+        means = tuple(psum32(a, every) / groups for a in acc)
         outs = ys[ticks - m :]  # last stage, final repeat: micro-batches 0..m-1 in order
         outs = jnp.where(sid == p - 1, outs, jnp.zeros_like(outs))
         if not rows:
-            return psum32(outs, "stage")
+            return psum32(outs, "stage"), means
         outs = from_microbatches(outs)  # this data shard's rows, in their global order
-        return _psum_scatter32(outs, "stage") if scatter else psum32(outs, "stage")
+        return (_psum_scatter32(outs, "stage") if scatter else psum32(outs, "stage")), means
 
     spec_layers = jax.tree.map(lambda _: P("stage"), stage_layers)
     # Manual over stage (the schedule) and data (so the gradient psum can be placed); fsdp and
@@ -243,13 +270,14 @@ def scan_pipeline(
     batch_spec = micro_spec(h_m, sequence, seq)
     tail = seq_tail(h_m.shape[1:], sequence, seq)
     out_spec = batch_spec if not rows else P(("data", "stage") if scatter else "data", *tail)
-    return jax.shard_map(
+    outs, means = jax.shard_map(
         run,
         mesh=mesh,
         in_specs=(spec_layers, batch_spec, [micro_spec(e, sequence, seq) for e in extras_m]),
-        out_specs=out_spec,
+        out_specs=(out_spec, tuple(P() for _ in sides)),
         axis_names={"stage", *reps},
     )(stage_layers, h_m, extras_m)
+    return (outs, *means) if sides else outs
 
 
 def _psum_scatter32(x: jax.Array, axis: str) -> jax.Array:
