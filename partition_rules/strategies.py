@@ -100,6 +100,7 @@ FSDP_EP = _strategy(_FSDP, _EP)
 EP_TP = _strategy(_EP, _TP)
 PP_CP = _strategy(_PP, _CP)
 PP_TP_SP = _strategy(_PP, _TP, _SP)
+PP_EP = _strategy(_PP, _EP)
 
 STRATEGIES: dict[str, AxisMap] = {
     "dp": DP,
@@ -120,6 +121,7 @@ STRATEGIES: dict[str, AxisMap] = {
     "ep_tp": EP_TP,
     "pp_cp": PP_CP,
     "pp_tp_sp": PP_TP_SP,
+    "pp_ep": PP_EP,
 }
 
 # A mesh of 8 devices that suits each strategy on every family's tiny size (llama tiny has 8 query
@@ -143,6 +145,7 @@ EXAMPLE_MESHES_8: dict[str, str] = {
     "ep_tp": "expert=2,tensor=2,data=2",
     "pp_cp": "stage=2,data=2,context=2",
     "pp_tp_sp": "stage=2,data=2,tensor=2",
+    "pp_ep": "stage=2,expert=2,data=2",
 }
 
 PIPELINE_STRATEGIES = frozenset(name for name, m in STRATEGIES.items() if m["layers"] == "stage")
@@ -177,4 +180,6 @@ DESCRIPTIONS: dict[str, str] = {
     "keys/values over context, activations cross stage boundaries sequence-split",
     "pp_tp_sp": "stages over stage, each stage's matrices over tensor with the sequence split "
     "over tensor between them (Megatron SP inside each stage)",
+    "pp_ep": "stages over stage, each stage's experts split over expert: tokens sent to their "
+    "experts and back by all-to-alls inside each stage",
 }

@@ -24,6 +24,23 @@ from sharding.experts import expert_kernels
 from sharding.pipeline import PipelineSpec, balanced_stages
 
 
+def check_pipelined_experts(strategy: str, axis_map: Any, mesh: jshard.Mesh) -> None:
+    """Expert parallelism inside a pipeline's stages: the stages are manual over ``expert`` and
+    run the experts' kernel on each device's tokens directly, so the strategy must place the
+    experts there, and no other axis may split them inside (fsdp, tensor, context)."""
+    sizes = dict(mesh.shape)
+    others = [f"{a}={sizes[a]}" for a in ("fsdp", "tensor", "context") if sizes.get(a, 1) > 1]
+    if axis_map.get("experts") != "expert" or others:
+        raise StepConfigError(
+            f"strategy {strategy!r} pipelines over stage={sizes['stage']} on a mesh with "
+            f"expert={sizes['expert']}"
+            + (f" and {', '.join(others)}" if others else "")
+            + ": expert parallelism inside a pipeline's stages runs as pp_ep on stage x data x "
+            "expert; use pp_ep on such a mesh, or pp, pp_tp or pp_fsdp with expert=1 (the "
+            "experts whole in each stage), or ep, fsdp_ep or ep_tp without stages"
+        )
+
+
 def pipeline_for(
     strategy: str,
     stages: int,
@@ -133,13 +150,7 @@ def build_program(
             f"context=1"
         )
     if pipeline is not None and dict(mesh.shape).get("expert", 1) > 1:
-        raise StepConfigError(
-            f"strategy {strategy!r} pipelines over stage={stages} on a mesh with "
-            f"expert={dict(mesh.shape)['expert']}: expert parallelism inside a pipeline's stages "
-            f"is not supported yet. Pipeline a mixture of experts with its experts whole in "
-            f"each stage (pp, pp_tp or pp_fsdp on a mesh with expert=1), or split the experts "
-            f"without stages (ep, fsdp_ep, ep_tp)"
-        )
+        check_pipelined_experts(strategy, work.axis_map(strategy), mesh)
     kernels, batch_order = context_kernels(work, mesh, context_method, seq or work.seq,
                                            None if pipeline is None else pipeline.schedule)  # fmt: skip
     kernels = {**kernels, **expert_kernels(work, mesh)}  # expert > 1: expert parallelism

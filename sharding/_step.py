@@ -215,6 +215,7 @@ def compile_train_step(
                 gathered,
                 pipeline.stage_layers,
                 sequence,
+                param_shardings,
             )
         if stack is None:
             return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)

@@ -256,7 +256,8 @@ def test_experts_the_expert_axis_does_not_divide_are_refused():
 
 # (strategy, mesh, schedule): the experts whole in each stage; the balancing loss crosses stages.
 PIPELINES = [("pp", "stage=2,data=4", "gpipe"), ("pp_tp", "stage=2,data=2,tensor=2", "circular"),
-             ("pp_fsdp", "stage=2,fsdp=4", "gpipe")]  # fmt: skip
+             ("pp_fsdp", "stage=2,fsdp=4", "gpipe"), ("pp_ep", "stage=2,expert=2,data=2", "gpipe"),
+             ("pp_ep", "stage=2,expert=4", "circular")]  # fmt: skip
 MICRO = 2
 
 
@@ -283,7 +284,7 @@ def grouped_reference(params, data: int):
 
 
 @pytest.mark.parametrize(("strategy", "mesh", "schedule"), PIPELINES,
-                         ids=[p[0] for p in PIPELINES])  # fmt: skip
+                         ids=[f"{p[0]}-{p[2]}" for p in PIPELINES])  # fmt: skip
 def test_pipelines_carry_the_load_balancing_loss(strategy, mesh, schedule):
     """gpipe and circular carry ``(h, aux)``: each stage adds its layers' terms per micro-batch,
     and the step equals one device computing the loss over the same groups of rows."""
@@ -291,8 +292,28 @@ def test_pipelines_carry_the_load_balancing_loss(strategy, mesh, schedule):
                          microbatches=MICRO)  # fmt: skip
     params = prog.init(0)["params"]
     loss, grads = prog.loss_and_grads(params, batch())
-    data = dict(make_mesh(mesh).shape)["data"]  # fsdp stays automatic inside the stages
-    assert_same((float(loss), jax.tree.map(np.asarray, grads)), grouped_reference(params, data))
+    # The batch shards the stages are manual over: data and expert (fsdp stays automatic).
+    sizes = dict(make_mesh(mesh).shape)
+    got = (float(loss), jax.tree.map(np.asarray, grads))
+    assert_same(got, grouped_reference(params, sizes["data"] * sizes["expert"]))
+
+
+def test_expert_parallel_stages_send_tokens_to_their_experts():
+    """pp_ep: each stage's experts split over expert (a quarter of them per device), tokens
+    moved by all-to-alls over expert inside the stages, exactly the kernel's bytes per tick."""
+    prog = build_program(work(NO_DROPS), "pp_ep", "stage=2,expert=4", batch=B, seq=S,
+                         schedule="gpipe", microbatches=MICRO)  # fmt: skip
+    gate = prog.param_shardings["layers"]["moe"]["gate"]
+    gate = gate.get_value() if hasattr(gate, "get_value") else gate
+    assert tuple(gate.spec)[:2] == ("stage", "expert")
+    cfg = llama_moe.config("tiny", capacity_factor=NO_DROPS)
+    got = sum(op.bytes * op.multiplicity for op in prog.report().collectives
+              if op.kind == "all-to-all" and op.axes == ("expert",))  # fmt: skip
+    # gpipe runs each stage's layers on one micro-batch per tick, m + p - 1 ticks.
+    ticks, per_stage = MICRO + 1, cfg.n_layers // 2
+    one = ep_all_to_all_bytes(B // MICRO * S, cfg.d_model, cfg.n_experts, cfg.top_k, NO_DROPS,
+                              4, 4, per_stage, seq_len=S, batch_shards=4)  # fmt: skip
+    assert got == one * ticks
 
 
 def test_what_pipelines_cannot_run_of_a_mixture_of_experts_is_refused():
@@ -301,7 +322,7 @@ def test_what_pipelines_cannot_run_of_a_mixture_of_experts_is_refused():
         build_program(work(NO_DROPS), "pp", "stage=2,data=4", batch=B, seq=S, schedule="1f1b",
                       microbatches=MICRO)  # fmt: skip
     with pytest.raises(StepConfigError, match=r"expert=4: expert parallelism inside a "
-                                              r"pipeline's stages.*pp, pp_tp or pp_fsdp"):  # fmt: skip
+                                              r"pipeline's stages runs as pp_ep"):  # fmt: skip
         build_program(work(NO_DROPS), "pp", "stage=2,expert=4", batch=B, seq=S)
 
 

@@ -36,6 +36,7 @@ from jax import lax
 from jax import sharding as jshard
 
 from sharding._errors import SpmdkitError
+from sharding._manual import manual_axes
 from sharding._mesh import BATCH_AXES
 
 AXIS = "expert"
@@ -70,6 +71,11 @@ def expert_parallel(mesh: jshard.Mesh) -> Callable:
     tensor = TENSOR if sizes.get(TENSOR, 1) > 1 else None
 
     def experts(x_BSD, expert_BSK, slot_BSK, weight_BSK, gate_EDF, up_EDF, down_EFD, cap):
+        if AXIS in manual_axes():  # a pipeline's stages, manual over expert: this device's
+            # tokens and experts already (the step checked the split and the mesh).
+            cap = x_BSD.shape[1] if cap is None else cap
+            return _dispatch_ffn_combine(x_BSD, expert_BSK, slot_BSK, weight_BSK, gate_EDF,
+                                         up_EDF, down_EFD, cap, ep, gate_EDF.shape[0] * ep)  # fmt: skip
         n_experts = gate_EDF.shape[0]
         check_split(n_experts, ep, x_BSD.shape[0], shards)
         cap = x_BSD.shape[1] if cap is None else cap  # dropless: each token once per expert

@@ -35,7 +35,15 @@ from jax import sharding as jshard
 from sharding._mesh import BATCH_AXES
 from sharding._stack import LayerFn
 from sharding.pipeline._kinds import IDLE, Kind
-from sharding.pipeline._layers import Layers, micro_spec, replicas, uniform
+from sharding.pipeline._layers import (
+    Layers,
+    layer_spec,
+    micro_spec,
+    own_axes,
+    per_leaf,
+    replicas,
+    uniform,
+)
 from sharding.pipeline._schedule import Schedule
 from sharding.pipeline._split import Split
 
@@ -110,6 +118,7 @@ def explicit_pipeline(
     sequence: tuple[str, ...] = (),
     seq: int | None = None,
     enter: Callable | None = None,
+    dims: list | None = None,
 ) -> jax.Array:
     """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest` and the
     floating-point `extras_m`.
@@ -130,8 +139,9 @@ def explicit_pipeline(
             layers; over context, the region is manual over it too (`replicas`) and each
             device's loss is the mean over its slice of the sequence. ``enter``: applied to the
             stack's input after ``embed`` (Megatron SP's split over the sequence), None: none.
+        dims: per leaf of ``layers`` (flattened), the manual axes splitting its own dimensions.
     """
-    reps = replicas(sequence)
+    reps = replicas(sequence, mesh)
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
     fixed = [x for x, f in zip(extras_m, floats, strict=True) if not f]
 
@@ -140,10 +150,10 @@ def explicit_pipeline(
         return [next(it_f) if f else next(it_x) for f in floats]
 
     def run(layers: Any, rest: Any, fex: list) -> tuple[jax.Array, tuple]:
-        layer_specs = jax.tree.map(lambda _: P("stage"), layers)
-        micro = lambda x: micro_spec(x, sequence, seq)  # noqa: E731
+        layer_specs = per_leaf(lambda _, d: layer_spec(d), layers, dims)
+        micro = lambda x: micro_spec(x, reps, seq)  # noqa: E731
         body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, embed,
-                                 schedule, floats, valid, reps, enter)  # fmt: skip
+                                 schedule, floats, valid, reps, enter, dims)  # fmt: skip
         return jax.shard_map(
             body,
             mesh=mesh,
@@ -174,6 +184,7 @@ def _body(
     valid_tab: np.ndarray | None,
     reps: tuple[str, ...],
     enter: Callable | None,
+    dims: list | None,
     layers: Any,
     rest: Any,
     extras_m: list,
@@ -187,7 +198,7 @@ def _body(
     # Varying casts hoisted out of the tick loop: their transposes (the gradient psums over data,
     # and over stage for `rest`) then run once per step.
     everywhere = ("stage", *reps)
-    w = jax.tree.map(lambda a: varying(a[0], reps), layers)  # this stage's [v, Lr, ...]
+    w = per_leaf(lambda a, d: varying(a[0], own_axes(d, reps)), layers, dims)  # [v, Lr, ...]
     rest = jax.tree.map(lambda a: varying(a, everywhere), rest)
     extras_m = [varying(a, "stage") for a in extras_m]
     batch_m = jax.tree.map(lambda a: varying(a, "stage"), batch_m)
@@ -377,7 +388,7 @@ def _body(
     # The loss is the mean over data replicas (and sequence slices) of each one's micro-batch
     # mean.
     value = lax.psum(carry["loss"], everywhere) / n_data
-    gw = jax.tree.map(lambda g: psum32(g, reps)[None] / n_data, carry["gw"])
+    gw = per_leaf(lambda g, d: psum32(g, own_axes(d, reps))[None] / n_data, carry["gw"], dims)
     grest = jax.tree.map(lambda g: psum32(g, everywhere) / n_data, carry["grest"])
     # Every stage reads the extra inputs: their gradients add up over stages.
     dex = [psum32(g, "stage") / n_data for g in carry["dex"]]

@@ -140,20 +140,47 @@ class Layers:
 P = jshard.PartitionSpec
 
 
-def replicas(sequence: tuple[str, ...]) -> tuple[str, ...]:
+def replicas(sequence: tuple[str, ...], mesh: jshard.Mesh) -> tuple[str, ...]:
     """The axes a pipeline's shard_map is manual over besides ``stage``: ``data`` (so the
-    gradients' reduction can be placed once per step), and ``context`` when the sequence is
-    split over it, so that the attention kernels run on each device's slice directly (a
-    shard_map nested in this one cannot be differentiated on jax 0.10). Every stage weight is
-    replicated over these axes, its gradient summed over them."""
-    return ("data", *(a for a in sequence if a == SEQUENCE_AXIS))
+    gradients' reduction can be placed once per step); ``expert`` when the mesh has one, as the
+    batch axis it also is, so that the experts' kernel runs on each device's tokens and experts
+    directly; and ``context`` when the sequence is split over it, so that the attention kernels
+    run on each device's slice directly (a shard_map nested in this one cannot be
+    differentiated on jax 0.10). A stage weight not split over one of them is replicated over
+    it, its gradient summed over it (`own_axes`)."""
+    expert = ("expert",) if dict(mesh.shape).get("expert", 1) > 1 else ()
+    return ("data", *expert, *(a for a in sequence if a == SEQUENCE_AXIS))
 
 
-def micro_spec(x: jax.Array, sequence: tuple[str, ...], seq: int | None) -> P:
-    """The pipeline's spec of micro-batches ``x [m, b, ...]``: rows over data, and the
-    sequence over context for an array whose dim 2 is the sequence."""
-    context = tuple(a for a in sequence if a == SEQUENCE_AXIS)
-    return P(None, "data", *seq_tail(x.shape[1:], context, seq))
+def row_axes(reps: tuple[str, ...]) -> tuple[str, ...]:
+    """The manual axes that split the batch's rows (all but context)."""
+    return tuple(a for a in reps if a != SEQUENCE_AXIS)
+
+
+def micro_spec(x: jax.Array, reps: tuple[str, ...], seq: int | None) -> P:
+    """The pipeline's spec of micro-batches ``x [m, b, ...]``: rows over the manual batch axes,
+    and the sequence over context (when manual) for an array whose dim 2 is the sequence."""
+    context = tuple(a for a in reps if a == SEQUENCE_AXIS)
+    return P(None, row_axes(reps), *seq_tail(x.shape[1:], context, seq))
+
+
+def layer_spec(dims: tuple | None) -> P:
+    """The spec of a stage weight viewed ``[p, r, Lr, ...]``: over stage, and over the manual
+    axes ``dims`` names for its own dimensions (an expert's weights over expert)."""
+    return P("stage", None, None, *dims) if dims else P("stage")
+
+
+def per_leaf(fn: Callable, tree: Any, dims: list | None) -> Any:
+    """``fn(leaf, its dims)`` over the leaves of ``tree`` (dims None: None for every leaf)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dims = [None] * len(leaves) if dims is None else dims
+    return jax.tree.unflatten(treedef, [fn(x, d) for x, d in zip(leaves, dims, strict=True)])
+
+
+def own_axes(dims: tuple | None, reps: tuple[str, ...]) -> tuple[str, ...]:
+    """The manual axes a weight is replicated over (its gradient summed over them)."""
+    split = {a for e in dims or () for a in ((e,) if isinstance(e, str) else e or ())}
+    return tuple(a for a in reps if a not in split)
 
 
 def seq_tail(shape: tuple, sequence: tuple[str, ...], seq: int | None) -> list:

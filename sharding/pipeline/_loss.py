@@ -29,6 +29,7 @@ from sharding._stack import (
 )
 from sharding.pipeline._balance import layer_slots
 from sharding.pipeline._explicit import explicit_pipeline
+from sharding.pipeline._layers import replicas
 from sharding.pipeline._scan import (
     PipelineConfigError,
     rows_over_stages,
@@ -139,6 +140,7 @@ def pipelined_loss(
     gathered: Any = None,
     stage_layers: tuple[int, ...] | None = None,
     layout: Any = None,
+    shardings: Any = None,
 ) -> jax.Array:
     """``loss_fn(model, batch)``, the user's function as written, with the stack at module path
     ``stack`` pipelined over ``stage``.
@@ -155,13 +157,16 @@ def pipelined_loss(
     Over context, the micro-batches and the stack's output keep the split and the stages are
     manual over context; over tensor (Megatron SP), each layer's modules are pinned as without
     a pipeline, and the activations cross stages split over the sequence.
+    ``shardings``: the parameters' shardings; a stack weight split over a manual axis of the
+    pipeline (an expert's weights over ``expert``) enters its stage split so.
     """
     layout = layout or Whole()
+    dims = layer_dims(shardings, stack, replicas(layout.outer, mesh))
     if stage_layers is not None and len(set(stage_layers)) == 1:
         stage_layers = None  # equal stages: the stack's own layout, no slots to gather
     if schedule.explicit:
         return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
-                              stage_layers, layout)  # fmt: skip
+                              stage_layers, layout, dims)  # fmt: skip
     m = schedule.microbatches
 
     def run(call: StackCall) -> Any:
@@ -180,7 +185,7 @@ def pipelined_loss(
                                                               schedule.repeats)  # fmt: skip
         out = scan_pipeline(extras.layer_fn(call, layout.pin), layers, h_m, extras_m, mesh=mesh,
                             schedule=schedule, wrap=wrap, rows=True, slots=slots,
-                            sequence=layout.outer, sides=sides)  # fmt: skip
+                            sequence=layout.outer, sides=sides, dims=dims)  # fmt: skip
         y = rows_over_stages(layout.leave(out[0] if sides else out), mesh, layout.outer, seq)
         if not sides:
             return y
@@ -203,6 +208,7 @@ def _loss_explicit(
     gathered: Any = None,
     stage_layers: tuple[int, ...] | None = None,
     layout: Any = None,
+    dims: list | None = None,
 ) -> jax.Array:
     p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
@@ -274,7 +280,22 @@ def _loss_explicit(
         )
     return explicit_pipeline(extras.layer_fn(call, layout.pin), wrap, head_loss, embed, layers,
                              rest, extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid,
-                             sequence=layout.outer, seq=seq, enter=layout.enter)  # fmt: skip
+                             sequence=layout.outer, seq=seq, enter=layout.enter,
+                             dims=dims)  # fmt: skip
+
+
+def layer_dims(shardings: Any, stack: str, reps: tuple[str, ...]) -> list | None:
+    """Per stack weight (flattened), the pipeline's manual axes that split its own dimensions
+    (after the layer axis), None for one they do not; None when none is split so."""
+    if shardings is None:
+        return None
+    kept = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in reps)  # noqa: E731
+    dims = []
+    for sh in jax.tree.leaves(split_state(shardings, stack)[0]):
+        own = tuple((k[0] if len(k) == 1 else k) if (k := kept(e)) else None
+                    for e in tuple(sh.spec)[1:])  # fmt: skip
+        dims.append(own if any(own) else None)
+    return dims if any(dims) else None
 
 
 def activations(call: StackCall) -> jax.Array:

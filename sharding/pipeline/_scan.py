@@ -29,7 +29,15 @@ from sharding._stack import LayerFn, apply_layers
 from sharding.pipeline._balance import check_stage_layers
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._explicit import psum32, varying
-from sharding.pipeline._layers import micro_spec, replicas, seq_tail
+from sharding.pipeline._layers import (
+    layer_spec,
+    micro_spec,
+    own_axes,
+    per_leaf,
+    replicas,
+    row_axes,
+    seq_tail,
+)
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
 
 P = jshard.PartitionSpec
@@ -73,11 +81,11 @@ def check_pipeline(spec: PipelineSpec, mesh: jshard.Mesh, n_layers: int, batch: 
         check_layers(n_layers, sizes["stage"], spec.repeats)
     else:
         check_stage_layers(spec.stage_layers, n_layers, sizes["stage"], spec.repeats)
-    split = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    split = math.prod(sizes.get(a, 1) for a in BATCH_AXES)
     if batch % spec.microbatches or (batch // spec.microbatches) % split:
         raise PipelineConfigError(
             f"global batch {batch} must split into {spec.microbatches} micro-batches of a size "
-            f"divisible by data x fsdp = {split}; use a batch that is a multiple of "
+            f"divisible by {' x '.join(BATCH_AXES)} = {split}; use a batch that is a multiple of "
             f"{spec.microbatches * split} or change --microbatches"
         )
     return schedule
@@ -132,6 +140,7 @@ def scan_pipeline(
     slots: tuple[np.ndarray, np.ndarray] | None = None,
     sequence: tuple[str, ...] = (),
     sides: tuple[Any, ...] = (),
+    dims: list | None = None,
 ) -> Any:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
@@ -149,13 +158,16 @@ def scan_pipeline(
     to them: each stage starts every micro-batch from zeros and adds its layers' terms, and the
     result is ``(outputs, *sides)`` with each side value the mean over micro-batches and data
     shards of their sums over the layers (the sequence's terms per micro-batch, as with gradient
-    accumulation).
+    accumulation). ``dims``: per leaf of ``layers`` (flattened), the manual axes splitting its
+    own dimensions (`layer_dims`), None when none is.
     Differentiated by autodiff through the scan.
     """
-    reps = replicas(sequence)
+    reps = replicas(sequence, mesh)
+    rows_axes = row_axes(reps)
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
     sizes = dict(mesh.shape)
-    scatter = rows and sizes.get("fsdp", 1) == 1 and (h_m.shape[1] // sizes["data"] * m) % p == 0
+    per_shard = h_m.shape[1] // math.prod(sizes[a] for a in rows_axes)
+    scatter = rows and sizes.get("fsdp", 1) == 1 and (per_shard * m) % p == 0
     if slots is None:
         stage_layers, valid_tab = stage_view(layers, p, r), None
     else:
@@ -167,7 +179,7 @@ def scan_pipeline(
         # This stage's [r, L/(p r), ...]. Cast to data-varying here, outside the tick loop: the
         # transpose of this cast is the data-parallel gradient psum, which then runs once per
         # step instead of once per tick (XLA otherwise reduces each tick's weight gradient).
-        w = jax.tree.map(lambda a: varying(a[0], reps), w)
+        w = per_leaf(lambda a, d: varying(a[0], own_axes(d, reps)), w, dims)
         sid = lax.axis_index("stage")
         # Hoisted so the transpose (a psum over stage of the input cotangent) runs once per step.
         h_m = varying(h_m, "stage")
@@ -263,17 +275,17 @@ def scan_pipeline(
         outs = from_microbatches(outs)  # this data shard's rows, in their global order
         return (_psum_scatter32(outs, "stage") if scatter else psum32(outs, "stage")), means
 
-    spec_layers = jax.tree.map(lambda _: P("stage"), stage_layers)
+    spec_layers = per_leaf(lambda _, d: layer_spec(d), stage_layers, dims)
     # Manual over stage (the schedule) and data (so the gradient psum can be placed); fsdp and
     # tensor stay automatic inside each stage.
     seq = h_m.shape[2] if h_m.ndim == 4 else None
-    batch_spec = micro_spec(h_m, sequence, seq)
-    tail = seq_tail(h_m.shape[1:], sequence, seq)
-    out_spec = batch_spec if not rows else P(("data", "stage") if scatter else "data", *tail)
+    batch_spec = micro_spec(h_m, reps, seq)
+    tail = seq_tail(h_m.shape[1:], tuple(a for a in reps if a not in rows_axes), seq)
+    out_spec = batch_spec if not rows else P((*rows_axes, "stage") if scatter else rows_axes, *tail)
     outs, means = jax.shard_map(
         run,
         mesh=mesh,
-        in_specs=(spec_layers, batch_spec, [micro_spec(e, sequence, seq) for e in extras_m]),
+        in_specs=(spec_layers, batch_spec, [micro_spec(e, reps, seq) for e in extras_m]),
         out_specs=(out_spec, tuple(P() for _ in sides)),
         axis_names={"stage", *reps},
     )(stage_layers, h_m, extras_m)
