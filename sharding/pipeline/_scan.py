@@ -1,5 +1,6 @@
 """Pipeline parallelism as one SPMD program: a `lax.scan` over ticks inside a `shard_map` that is
-manual over ``stage`` only, so data, fsdp and tensor stay automatic inside each stage.
+manual over ``stage`` and ``data`` (plus ``expert`` and ``context`` where the mesh splits them:
+`replicas`), so fsdp and tensor stay automatic inside each stage.
 
 The stacked layers ``[L, ...]`` (sharded over ``stage`` on the leading axis by the pp presets) are
 viewed as ``[p, L/p, ...]``: stage ``s`` owns a contiguous block of layers and no weight moves.
@@ -156,9 +157,9 @@ def scan_pipeline(
     ``sides``: the shapes of the side values the layers carry past the activations (a mixture
     of experts' load-balancing loss; `sharding._stack.StackCall`). Each layer adds its own term
     to them: each stage starts every micro-batch from zeros and adds its layers' terms, and the
-    result is ``(outputs, *sides)`` with each side value the mean over micro-batches and data
-    shards of their sums over the layers (the sequence's terms per micro-batch, as with gradient
-    accumulation). ``dims``: per leaf of ``layers`` (flattened), the manual axes splitting its
+    result is ``(outputs, *sides)`` with each side value the mean over micro-batches and the
+    manual batch shards (data, expert) of their sums over the layers (a batch statistic per
+    micro-batch, as with gradient accumulation). ``dims``: per leaf of ``layers`` (flattened), the manual axes splitting its
     own dimensions (`layer_dims`), None when none is.
     Differentiated by autodiff through the scan.
     """
@@ -176,9 +177,10 @@ def scan_pipeline(
     extras_m = list(extras_m or [])
 
     def run(w: Any, h_m: jax.Array, extras_m: list) -> jax.Array:
-        # This stage's [r, L/(p r), ...]. Cast to data-varying here, outside the tick loop: the
-        # transpose of this cast is the data-parallel gradient psum, which then runs once per
-        # step instead of once per tick (XLA otherwise reduces each tick's weight gradient).
+        # This stage's [r, L/(p r), ...]. Cast to varying over the manual axes each weight is
+        # replicated on, outside the tick loop: the transpose of this cast is the gradient psum
+        # over them (data-parallel, and context, expert), which then runs once per step instead
+        # of once per tick (XLA otherwise reduces each tick's weight gradient).
         w = per_leaf(lambda a, d: varying(a[0], own_axes(d, reps)), w, dims)
         sid = lax.axis_index("stage")
         # Hoisted so the transpose (a psum over stage of the input cotangent) runs once per step.
