@@ -209,7 +209,9 @@ class MoE(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, *, n_experts: int, top_k: int,
                  capacity_factor: float | None, std: float, out_std: float, rngs: nnx.Rngs):  # fmt: skip
         check_moe("MoE", n_experts, top_k, capacity_factor)
-        self.top_k, self.capacity_factor = top_k, capacity_factor
+        # The expert count, kept apart from the weights' shapes: a kernel may hand the layer a
+        # device's own experts (E / expert of them) inside an expert-parallel region.
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.router = Dense((d_model,), (n_experts,), std=std, rngs=rngs)
         self.gate = nnx.Param(normal(rngs.params(), (n_experts, d_model, d_ff), std))
         self.up = nnx.Param(normal(rngs.params(), (n_experts, d_model, d_ff), std))
@@ -220,7 +222,7 @@ class MoE(nnx.Module):
         return route(self.router(x_BSD.astype(jnp.float32)), self.top_k)
 
     def capacity(self, seq_len: int) -> int | None:
-        return capacity(seq_len, self.gate.shape[0], self.top_k, self.capacity_factor)
+        return capacity(seq_len, self.n_experts, self.top_k, self.capacity_factor)
 
     def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
         r = self.routing(x_BSD)

@@ -255,17 +255,21 @@ def test_experts_the_expert_axis_does_not_divide_are_refused():
 # --- llama-moe in pipelines -------------------------------------------------------------------
 
 # (strategy, mesh, schedule): the experts whole in each stage; the balancing loss crosses stages.
-PIPELINES = [("pp", "stage=2,data=4", "gpipe"), ("pp_tp", "stage=2,data=2,tensor=2", "circular"),
-             ("pp_fsdp", "stage=2,fsdp=4", "gpipe"), ("pp_ep", "stage=2,expert=2,data=2", "gpipe"),
-             ("pp_ep", "stage=2,expert=4", "circular")]  # fmt: skip
+PIPELINES = [("pp", "stage=2,data=4", "gpipe", NO_DROPS),
+             ("pp_tp", "stage=2,data=2,tensor=2", "circular", NO_DROPS),
+             ("pp_fsdp", "stage=2,fsdp=4", "gpipe", NO_DROPS),
+             ("pp_ep", "stage=2,expert=2,data=2", "gpipe", NO_DROPS),
+             ("pp_ep", "stage=2,expert=4", "circular", NO_DROPS),
+             # Drops: capacity counts every expert, not the device's own, inside the stages.
+             ("pp_ep", "stage=2,expert=2,data=2", "gpipe", DROPS)]  # fmt: skip
 MICRO = 2
 
 
-def grouped_reference(params, data: int):
+def grouped_reference(params, data: int, capacity_factor: float = NO_DROPS):
     """One device: the cross-entropy of the whole batch plus the balancing loss averaged over the
     pipeline's groups of rows, each micro-batch (rows k::m) on each data shard, as a pipeline
     computes it (like gradient accumulation: a batch statistic is per micro-batch)."""
-    cfg, inputs = llama_moe.config("tiny", capacity_factor=NO_DROPS), batch()["inputs"]
+    cfg, inputs = llama_moe.config("tiny", capacity_factor=capacity_factor), batch()["inputs"]
     graphdef = nnx.split(llama_moe.Model(cfg, rngs=nnx.Rngs(0)), nnx.Param)[0]
 
     def loss(p):
@@ -283,19 +287,19 @@ def grouped_reference(params, data: int):
     return float(value), jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize(("strategy", "mesh", "schedule"), PIPELINES,
-                         ids=[f"{p[0]}-{p[2]}" for p in PIPELINES])  # fmt: skip
-def test_pipelines_carry_the_load_balancing_loss(strategy, mesh, schedule):
+@pytest.mark.parametrize(("strategy", "mesh", "schedule", "capacity_factor"), PIPELINES,
+                         ids=[f"{p[0]}-{p[2]}-cf{p[3]}" for p in PIPELINES])  # fmt: skip
+def test_pipelines_carry_the_load_balancing_loss(strategy, mesh, schedule, capacity_factor):
     """gpipe and circular carry ``(h, aux)``: each stage adds its layers' terms per micro-batch,
     and the step equals one device computing the loss over the same groups of rows."""
-    prog = build_program(work(NO_DROPS), strategy, mesh, batch=B, seq=S, schedule=schedule,
-                         microbatches=MICRO)  # fmt: skip
+    prog = build_program(work(capacity_factor), strategy, mesh, batch=B, seq=S,
+                         schedule=schedule, microbatches=MICRO)  # fmt: skip
     params = prog.init(0)["params"]
     loss, grads = prog.loss_and_grads(params, batch())
     # The batch shards the stages are manual over: data and expert (fsdp stays automatic).
     sizes = dict(make_mesh(mesh).shape)
     got = (float(loss), jax.tree.map(np.asarray, grads))
-    assert_same(got, grouped_reference(params, sizes["data"] * sizes["expert"]))
+    assert_same(got, grouped_reference(params, sizes["data"] * sizes["expert"], capacity_factor))
 
 
 def test_expert_parallel_stages_send_tokens_to_their_experts():

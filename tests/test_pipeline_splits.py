@@ -68,6 +68,8 @@ CASES = [
     ("llama", "pp_tp_sp", PP_TP_SP, "gpipe", None),
     ("llama", "pp_tp_sp", PP_TP_SP, "1f1b", None),
     ("llama", "pp_tp_sp", PP_TP_SP, "zb-h1", None),
+    # A dense model on an expert mesh: the stages are manual over expert, a batch axis there.
+    ("llama", "pp_ep", "stage=2,expert=2,data=2", "1f1b", None),
 ]
 
 

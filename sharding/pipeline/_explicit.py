@@ -32,40 +32,24 @@ import numpy as np
 from jax import lax
 from jax import sharding as jshard
 
-from sharding._mesh import BATCH_AXES
 from sharding._stack import LayerFn
 from sharding.pipeline._kinds import IDLE, Kind
 from sharding.pipeline._layers import (
     Layers,
+    auto_batch_axes,
     layer_spec,
     micro_spec,
     own_axes,
     per_leaf,
+    psum32,
     replicas,
     uniform,
+    varying,
 )
 from sharding.pipeline._schedule import Schedule
 from sharding.pipeline._split import Split
 
 P = jshard.PartitionSpec
-# The batch axes a pipeline's shard_map leaves automatic (``data`` is manual in it).
-AUTO_BATCH_AXES = tuple(a for a in BATCH_AXES if a != "data")
-
-
-def varying(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
-    """``lax.pcast(x, axes, to="varying")`` whose transpose, the psum of x's cotangent over
-    ``axes``, runs in float32: gradients of bfloat16 weights are summed in float32 (and XLA:CPU
-    cannot promote a bfloat16 all-reduce whose reducer Shardy tagged with a sharding)."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
-        return lax.pcast(x, axes, to="varying")
-    return lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
-
-
-def psum32(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
-    """``lax.psum`` computed in float32 for floating-point x (see `varying`)."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
-        return lax.psum(x, axes)
-    return lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
 
 
 # Per tick and stage, what each lane reads: -1 where the lane is idle.
@@ -209,7 +193,7 @@ def _body(
     def rows(fn: Callable) -> Callable:
         """``fn`` with its output's rows kept split over the automatic batch axes (fsdp, expert),
         as the stage's activations are: otherwise XLA may compute it whole on every device."""
-        return lambda *a: lax.with_sharding_constraint(fn(*a), P(AUTO_BATCH_AXES))
+        return lambda *a: lax.with_sharding_constraint(fn(*a), P(auto_batch_axes()))
 
     def entered(r: Any, b: Any) -> jax.Array:
         """The stack's input for micro-batch b, laid out as the layers take it."""
@@ -293,7 +277,7 @@ def _body(
         batch_i = jax.tree.map(lambda a: a[i], batch_m)
 
         def embed_grad(r: Any, b: Any, g: jax.Array) -> Any:
-            g = lax.with_sharding_constraint(g.astype(x_shape.dtype), P(AUTO_BATCH_AXES))
+            g = lax.with_sharding_constraint(g.astype(x_shape.dtype), P(auto_batch_axes()))
             return jax.vjp(lambda r_: entered(r_, b), r)[1](g)[0]
 
         with jax.named_scope("pipeline_embed"):  # ... and its gradient, from the input gradient
@@ -395,4 +379,4 @@ def _body(
     return value, (gw, grest, dex)
 
 
-__all__ = ["explicit_pipeline", "psum32", "tables", "varying"]
+__all__ = ["explicit_pipeline", "tables"]

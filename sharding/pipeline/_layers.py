@@ -16,7 +16,7 @@ from jax import lax
 from jax import sharding as jshard
 
 from sharding._manual import manual_axes
-from sharding._mesh import SEQUENCE_AXIS
+from sharding._mesh import BATCH_AXES, SEQUENCE_AXIS
 from sharding._stack import LayerFn
 from sharding.pipeline._split import Split
 
@@ -138,6 +138,28 @@ class Layers:
 
 
 P = jshard.PartitionSpec
+
+
+def auto_batch_axes() -> tuple[str, ...]:
+    """The batch axes the pipeline's shard_map leaves automatic (data is manual in it, and
+    expert where the mesh has one: `replicas`)."""
+    return tuple(a for a in BATCH_AXES if a not in manual_axes())
+
+
+def varying(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """``lax.pcast(x, axes, to="varying")`` whose transpose, the psum of x's cotangent over
+    ``axes``, runs in float32: gradients of bfloat16 weights are summed in float32 (and XLA:CPU
+    cannot promote a bfloat16 all-reduce whose reducer Shardy tagged with a sharding)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.pcast(x, axes, to="varying")
+    return lax.pcast(x.astype(jnp.float32), axes, to="varying").astype(x.dtype)
+
+
+def psum32(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
+    """``lax.psum`` computed in float32 for floating-point x (see `varying`)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.psum(x, axes)
+    return lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
 
 
 def replicas(sequence: tuple[str, ...], mesh: jshard.Mesh) -> tuple[str, ...]:

@@ -29,15 +29,16 @@ from sharding._manual import manual_axes
 from sharding._stack import LayerFn, apply_layers
 from sharding.pipeline._balance import check_stage_layers
 from sharding.pipeline._errors import PipelineError
-from sharding.pipeline._explicit import psum32, varying
 from sharding.pipeline._layers import (
     layer_spec,
     micro_spec,
     own_axes,
     per_leaf,
+    psum32,
     replicas,
     row_axes,
     seq_tail,
+    varying,
 )
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
 
