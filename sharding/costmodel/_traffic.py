@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sharding._mesh import BATCH_AXES
+from sharding._mesh import AXES, BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
 from sharding.costmodel._sequence import sequence_traffic
 from sharding.experts import ALL_TO_ALLS_PER_LAYER, ep_all_to_all_bytes
@@ -108,6 +108,13 @@ class _Sink(list):
             self.append(Traffic(kind, axes, round(nbytes), count, what))
 
 
+def vector_like(q: Param) -> bool:
+    """Whether ``q``'s gradient is reduced whole over every batch axis even where fsdp splits it
+    (measured, fsdp_cp and fsdp_ep): a vector per layer (norm scales) or in all (the final
+    norm). The token table, once its lookup gathers it, is reduced the same way (`_table`)."""
+    return q.role == "vector" or (q.role == "layer" and len(q.shape) == 2)
+
+
 def rows_over_stages(s: Any) -> bool:
     """Whether gpipe/circular hand the stack's output to what follows it split over ``stage``
     (each stage the head and loss on 1/p of the rows: `sharding.pipeline`), which they do where
@@ -143,26 +150,38 @@ def traffic(s: Any) -> list[Traffic]:
         # Not over an axis that splits the parameter itself (an expert's own, on expert); fsdp
         # splits both, and its reduction scatters over it.
         over = tuple(a for a in batch_axes if a not in q.axes or a == "fsdp")
+        whole = vector_like(q)
         if "fsdp" in q.axes and "tensor" in q.axes:
             # Reduce-scatter over fsdp, then the shard over data. XLA:CPU emits an all-reduce
             # plus a slice for the scatter; its operand, hence its bytes, is the same.
             out.add("reduce-scatter", ("fsdp",), g, count, what)
             out.add("all-reduce", ("data",) if d > 1 else (), g / f, count, what)
+        elif "fsdp" in q.axes and not whole and (c > 1 or "expert" in over):
+            # Measured (fsdp_cp, fsdp_ep): a matrix's gradient, partial over fsdp and a batch
+            # axis that is not data (context's sequence shards, expert's batch rows), is
+            # reduce-scattered over fsdp alone, then its shard summed over the rest at once
+            # (data joins that second reduction, not the first).
+            out.add("reduce-scatter", ("fsdp",), g, count, what)
+            rest = {*extra, *over, *(("context",) if c > 1 else ())} - {"fsdp"}
+            out.add("all-reduce", tuple(a for a in AXES if a in rest), g / f, count,
+                    f"{what}, the fsdp shard over the other batch axes")  # fmt: skip
+            return
         elif "fsdp" in q.axes:  # measured: one reduction over data and fsdp together
             out.add("reduce-scatter", (*extra, *over), g, count, what)
         else:
             out.add("all-reduce", (*extra, *over), g, count, what)
         if c > 1:  # the sequence shards' gradients: a second reduction, over context (measured)
-            shard = g / f if "fsdp" in q.axes else g
+            # A vector's (a norm scale) is summed over context whole, before its fsdp
+            # reduction, not after it (measured, fsdp_cp).
+            shard = g / f if "fsdp" in q.axes and not whole else g
             out.add("all-reduce", ("context",), shard, count, f"{what} over the sequence")
 
     for q in s.params:
         if q.role == "table":
             _table(out, s, q, act, rows, batch_axes, 0.0 if explicit else grad_bytes(q))
-            if c > 1:  # its gradient over the sequence shards, like every other parameter's
-                shard = grad_bytes(q) / (f if "fsdp" in q.axes else 1)
-                out.add("all-reduce", ("context",), shard, 1, "gradient of the token table "
-                        "over the sequence")  # fmt: skip
+            if c > 1:  # its gradient over the sequence shards, whole (measured, cp and fsdp_cp)
+                out.add("all-reduce", ("context",), grad_bytes(q), 1,
+                        "gradient of the token table over the sequence")  # fmt: skip
             if tied(s.params) and not explicit:
                 reduce_grad(q, "gradient of the tied head", extra=head_extra)
                 _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "tied head weights")
@@ -235,6 +254,13 @@ def _table(out, s, q: Param, act: float, rows: int, batch_axes, grad: float) -> 
         out.add("all-gather", ("data",) if d > 1 else ("fsdp",), q.nbytes / t, 1, "table gather")
         out.add("all-gather", ("tensor",), act, 1, "looked-up activations")
         out.add("all-reduce", batch_axes, q.nbytes / t, 1, "gradient of the token table")
+    elif split_d and not split_v and max(s.sizes.get(a, 1) for a in ("context", "expert")) > 1:
+        # Measured (fsdp_cp, fsdp_ep): with the tokens split over context or expert besides
+        # fsdp, XLA gathers the [V, D/f] table whole over fsdp and looks up locally instead; the
+        # gradient, whole on every device, is summed over fsdp and the batch axes whole, like a
+        # vector's (`vector_like`; over context, in `traffic`).
+        out.add("all-gather", ("fsdp",), q.size * s.act_bytes, 1, "token table")
+        out.add("all-reduce", batch_axes, grad, 1, "gradient of the token table")
     elif split_d:
         # Rows stay put: the token ids are gathered over fsdp, looked up in the local column
         # slice, and the activations all-to-all'd to batch-split (and back in backward); with
@@ -263,11 +289,11 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
         remat = s.remat == "full"  # a backward recomputes a forward only under remat full
         if sched.explicit:  # lanes under lax.cond: m forwards and backwards per chunk run
             passes = sched.microbatches * sched.repeats
-    layer_gathered = sum(
-        q.size / math.prod(sz[x] for x in q.axes if x != "fsdp")
-        for q in s.params
-        if q.role == "layer" and "fsdp" in q.axes
-    )
+
+    def gathered(q: Param) -> float:  # elements of q one device holds once gathered over fsdp
+        return q.size / math.prod(sz[x] for x in q.axes if x != "fsdp") if "fsdp" in q.axes else 0
+
+    layer_gathered = sum(gathered(q) for q in s.params if q.role == "layer")
     if layer_gathered and sz.get("fsdp", 1) > 1 and sched is not None:
         # pp_fsdp: each stage gathers its layers' weights once per step, before the ticks.
         arrays = sum(1 for q in s.params if q.role == "layer" and "fsdp" in q.axes)
@@ -275,9 +301,15 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
                 "stage weights, once per step")  # fmt: skip
     elif layer_gathered and sz.get("fsdp", 1) > 1:
         # ZeRO-3: each layer's weights gathered for its forward and again for its backward.
-        nbytes = layer_gathered / n_layers * per_pass_layers * s.act_bytes
+        # Not the experts' (fsdp_ep): they are gathered at the expert kernel's shard_map
+        # boundary, which backward does not recompute, so its backward reads the forward's
+        # gathered copies (measured; they stay live through the step).
+        once = sum(gathered(q) for q in s.params if q.role == "layer" and "expert" in q.axes)
+        nbytes = (layer_gathered - once) / n_layers * per_pass_layers * s.act_bytes
         out.add("all-gather", ("fsdp",), 2 * passes * nbytes, 2 * passes * per_pass_layers,
                 "layer weights (forward + backward)")  # fmt: skip
+        out.add("all-gather", ("fsdp",), once / n_layers * per_pass_layers * s.act_bytes,
+                passes * per_pass_layers, "expert weights (forward only)")  # fmt: skip
     if t > 1 and (col or row):
         count = passes * per_pass_layers
         out.add("all-reduce", ("tensor",), count * row * a, count * row, "row-parallel outputs")
