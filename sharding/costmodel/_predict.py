@@ -26,6 +26,7 @@ from rich.text import Text
 from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel import _lanes
+from sharding.costmodel._pipesplits import split_pipeline_traffic, splits_inside_stages
 from sharding.costmodel._setup import LM_FAMILIES, CostModelError, Setup, setup
 from sharding.costmodel._traffic import Traffic, traffic
 from sharding.inspection import COLLECTIVE_KINDS
@@ -273,7 +274,7 @@ def predict(
         optimizer=optimizer,
         remat=remat,
         pipeline=pipe,
-        traffic=traffic(s),
+        traffic=split_pipeline_traffic(s) if splits_inside_stages(s) else traffic(s),
         n_params=sum(q.size for q in s.params),
         param_bytes=param_bytes,
         grad_bytes=param_bytes,

@@ -142,11 +142,12 @@ def setup(
             f"global batch {batch} is not divisible by data x fsdp x expert = {split}; use a "
             f"multiple of {split}"
         )
-    if pipelined and getattr(cfg, "n_experts", None):
+    if pipelined and getattr(cfg, "n_experts", None) and args[0] not in ("gpipe", "circular"):
         raise CostModelError(
             f"{name} {cfg.name} carries its load-balancing loss through the layer stack beside "
-            f"the activations, which a pipeline cannot pass between stages; plan it with a "
-            f"strategy without 'stage' (dp, fsdp, tp, ep, fsdp_ep, ep_tp)"
+            f"the activations, which only the gpipe and circular schedules pipeline; plan it "
+            f"with one of those, or a strategy without 'stage' (dp, fsdp, tp, ep, fsdp_ep, "
+            f"ep_tp)"
         )
     rules, axis_map = preset(name, strategy)
     schedule = None
