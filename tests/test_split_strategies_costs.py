@@ -75,6 +75,12 @@ CASES = [
     ("llama", "fsdp_cp", "data=2,fsdp=2,context=2", "ring"),
     ("llama-moe", "fsdp_ep", "fsdp=2,expert=4", None),
     ("llama-moe", "fsdp_ep", "data=2,fsdp=2,expert=2", None),
+    # Megatron SP alone, with fsdp, with context (its gathers move S/c of the sequence)
+    ("llama", "tp_sp", "data=2,tensor=4", None),
+    ("llama", "fsdp_tp_sp", "data=2,fsdp=2,tensor=2", None),
+    ("llama", "cp_tp_sp", "data=2,context=2,tensor=2", "ring"),
+    # experts' hidden width over tensor: their buffers' cotangents summed over it in backward
+    ("llama-moe", "ep_tp", "expert=2,tensor=2,data=2", None),
 ]
 
 

@@ -27,7 +27,6 @@ the compiled programs show (tests/test_sequence_parallel.py holds them within 2%
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from partition_rules import STRATEGIES
@@ -87,8 +86,8 @@ def sequence_traffic(out: Any, s: Any, act: float) -> None:
     is one ``[rows, seq, d_model]`` activation per device in the compute dtype."""
     if not splits_sequence_over_tensor(s) or s.schedule is not None:
         return
-    # Gathered over tensor only: what stays split over context (cp_tp_sp) is not moved.
-    act /= math.prod(s.sizes.get(a, 1) for a in sequence_axes(s) if a != "tensor")
+    # Gathered over tensor only: what stays split over context (cp_tp_sp) is not moved, and
+    # ``act`` already holds the device's S/c positions (`Setup.local_seq`).
     n_layers = s.cfg.n_layers
     groups = gathered_inputs(s)
     row = sum(1 for q in s.params if _kind(s, q) == "row")

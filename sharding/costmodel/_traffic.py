@@ -17,7 +17,7 @@ from typing import Any
 from sharding._mesh import AXES, BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
 from sharding.costmodel._sequence import sequence_traffic
-from sharding.experts import ALL_TO_ALLS_PER_LAYER, ep_all_to_all_bytes
+from sharding.experts import ALL_TO_ALLS_PER_LAYER, ep_all_to_all_bytes, expert_slots
 
 # Per-row softmax statistics a vocabulary-split head all-reduces over tensor (max, sum of exps,
 # the target logit, and the backward's sum), each float32 [rows, seq].
@@ -219,6 +219,17 @@ def traffic(s: Any) -> list[Traffic]:
                                   s.cfg.capacity_factor, sz["expert"], s.act_bytes, n_layers,
                                   seq_len=s.seq, batch_shards=d * f * sz["expert"])  # fmt: skip
         out.add("all-to-all", ("expert",), a2a, ALL_TO_ALLS_PER_LAYER * n_layers, "expert tokens")
+        if any(q.role == "layer" and {"expert", "tensor"} <= q.axes for q in s.params):
+            # ep_tp: the kernel's expert buffers hold partial sums over the split hidden width;
+            # backward all-reduces, per layer, the cotangents of the dispatched tokens [G, E, C,
+            # D] (once for gate's read, once for up's) and of the combine weights [G, S, E, C]
+            # over tensor (measured; the forward's psum of the output is a row-parallel
+            # all-reduce, counted in `_layers`).
+            cfg = s.cfg
+            slots = expert_slots(s.seq, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+            per_layer = rows * cfg.n_experts * slots * (2 * cfg.d_model + s.seq) * s.act_bytes
+            out.add("all-reduce", ("tensor",), n_layers * per_layer, n_layers,
+                    "expert buffers' cotangents over the split hidden width")  # fmt: skip
     if sz.get("context", 1) > 1:  # attention over a split sequence (sharding.context)
         cfg = s.cfg
         for x in context_traffic(getattr(s, "context_method", None) or DEFAULT_METHOD,
