@@ -310,6 +310,14 @@ def _suggested(name: str, n: int) -> list[str]:
         "ep_tp": [f"expert={e},tensor=2,data={n // e // 2}" for e in _divisors(n // 2) if e > 1]
         if n % 2 == 0
         else [],
+        # Pipelines with a split inside the stages: two stages, the split as wide as leaves data.
+        "pp_cp": [f"stage=2,context={c},data={n // 2 // c}" for c in _divisors(n // 2) if c > 1]
+        if n % 2 == 0
+        else [],
+        "pp_tp_sp": [f"stage=2,tensor=2,data={n // 4}"] if n >= 4 and n % 4 == 0 else [],
+        "pp_ep": [f"stage=2,expert={e},data={n // 2 // e}" for e in _divisors(n // 2) if e > 1]
+        if n % 2 == 0
+        else [],
     }
     return table.get(name, [])
 
@@ -334,7 +342,7 @@ def _compare_pipelines(
         stages = at["stage"]
         if stages < 2 or n_layers % (stages * repeats):
             continue
-        split = at["data"] * at["fsdp"]
+        split = at["data"] * at["fsdp"] * at.get("expert", 1)
         fitting = [m for m in (2 * stages, stages) if batch is None or batch % (m * split) == 0]
         out.append((schedule, fitting[0] if fitting else 2 * stages, repeats, at))
     return out
