@@ -53,6 +53,8 @@ from sharding.costmodel._traffic import (
     _layers,
     _Sink,
     _table,
+    chunk_regroup,
+    head_side_gathers,
     matmul_kinds,
     rows_over_stages,
     tied,
@@ -186,12 +188,7 @@ def _gradients(out: _Sink, s: Any, act: float) -> None:
             continue
         extra = head_extra if q.role in ("head", "vector", "other") else ()
         reduce(q, f"gradient reduction ({'layers' if q.role == 'layer' else q.role})", extra)
-        if q.role == "head":
-            _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "head weights")
-        elif q.role == "positions":
-            _fsdp_gather(out, s, q, 1, "position table", rows_used=s.seq)
-        elif q.role in ("vector", "other"):
-            _fsdp_gather(out, s, q, 2, "final norm")
+        head_side_gathers(out, s, q)
 
 
 def _stage_lookup(out: _Sink, s: Any, q: Param, act: float, batch_axes, grad: float) -> None:
@@ -267,11 +264,7 @@ def _stages(out: _Sink, s: Any, act: float) -> None:
         out.add("all-gather", ("tensor",), 2 * act + 2 * act / share, 4,
                 "stack output and input cotangent to whole sequences")  # fmt: skip
         out.add("all-gather", ("stage",), 2 * act, 2, "output cotangents around the relayout")
-    if sched.repeats > 1:
-        layer = [q for q in s.params if q.role == "layer"]
-        nbytes = sum(q.nbytes / math.prod(s.sizes[a] for a in q.axes) for q in layer)
-        out.add("all-to-all", ("stage",), 2 * nbytes, 2 * len(layer),
-                "layer weights to chunks, their gradients back")  # fmt: skip
+    chunk_regroup(out, s)
 
 
 def _kernels(out: _Sink, s: Any) -> None:

@@ -191,12 +191,7 @@ def traffic(s: Any) -> list[Traffic]:
             extra = head_extra if q.role in ("head", "vector", "other") else ()
             reduce_grad(q, f"gradient reduction ({'layers' if q.role == 'layer' else q.role})",
                         extra=extra)  # fmt: skip
-        if q.role == "head":
-            _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "head weights")
-        elif q.role == "positions":
-            _fsdp_gather(out, s, q, 1, "position table", rows_used=s.seq)
-        elif q.role in ("vector", "other"):
-            _fsdp_gather(out, s, q, 2, "final norm")
+        head_side_gathers(out, s, q)
     if explicit:
         # The explicit schedules differentiate the embedding at the first stage and the head at
         # the last, inside the scan: the gradients of every non-layer parameter are summed over
@@ -242,6 +237,17 @@ def traffic(s: Any) -> list[Traffic]:
                                  remat=s.remat != "none"):  # fmt: skip
             out.add(*x)
     return list(out)
+
+
+def head_side_gathers(out: _Sink, s: Any, q: Param) -> None:
+    """The fsdp gathers of a parameter outside the stack: the head's weights (twice with the
+    vocabulary split: forward and backward), the position table's used rows, the final norm."""
+    if q.role == "head":
+        _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "head weights")
+    elif q.role == "positions":
+        _fsdp_gather(out, s, q, 1, "position table", rows_used=s.seq)
+    elif q.role in ("vector", "other"):
+        _fsdp_gather(out, s, q, 2, "final norm")
 
 
 def _fsdp_gather(out: _Sink, s: Any, q: Param, times: int, what: str, rows_used=None) -> None:
@@ -355,9 +361,13 @@ def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
             out.add("all-reduce", ("stage",), act, 1, "input cotangents to the embedding")
         else:  # the outputs summed over stage to leave the pipeline, the input cotangent too
             out.add("all-reduce", ("stage",), 2 * act, 2, "pipeline outputs + input cotangents")
-    if sched.repeats > 1:
-        # Stage s holds chunks c*p + s: the stack, laid out over stage in layer order, is
-        # regrouped by an all-to-all each step, and its gradients by another.
+    chunk_regroup(out, s)
+
+
+def chunk_regroup(out: _Sink, s: Any) -> None:
+    """Circular and interleaved: stage s holds chunks c*p + s, so the stack, laid out over
+    stage in layer order, is regrouped by an all-to-all each step, and its gradients by another."""
+    if s.schedule.repeats > 1:
         layer = [q for q in s.params if q.role == "layer"]
         nbytes = sum(q.nbytes / math.prod(s.sizes[a] for a in q.axes) for q in layer)
         out.add("all-to-all", ("stage",), 2 * nbytes, 2 * len(layer),
