@@ -131,6 +131,9 @@ STEPS = [
     ("llama", "cp", "data=2,context=4", "allgather"),
     ("llama", "cp", "data=2,context=4", "ulysses"),
     ("llama", "fsdp_cp", "fsdp=2,context=4", "ring"),
+    ("llama", "fsdp_cp", "fsdp=2,context=4", "allgather"),
+    ("llama", "fsdp_cp", "fsdp=2,context=4", "ulysses"),
+    ("llama", "cp_tp_sp", "data=2,context=2,tensor=2", "allgather"),
     ("llama", "tp", "context=2,tensor=2,data=2", "ulysses"),
     ("gpt2", "cp", "data=2,context=4", "ring"),
 ]
