@@ -25,6 +25,21 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+    """After each test module, drop the programs it compiled and cached (its functools caches)
+    and jax's own caches: a worker process otherwise holds every module's executables until the
+    end of the suite, and its memory grows with the suite (a late compile segfaulted once)."""
+    yield
+    import gc
+
+    for value in list(vars(request.module).values()):
+        if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+            value.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+
+
 def snapshot(root: Path) -> dict[str, tuple]:
     """Every file and folder under ``root``: path -> (kind, size, mtime_ns)."""
     out = {}
