@@ -53,26 +53,16 @@ def predicted(family: str, strategy: str, mesh: str, schedule: str, repeats: int
 
 CASES = [
     ("llama", "pp_cp", CP, "gpipe", 1, "ring", "none"),
-    ("llama", "pp_cp", CP, "gpipe", 1, "allgather", "none"),
     ("llama", "pp_cp", CP, "gpipe", 1, "ulysses", "none"),
     ("llama", "pp_cp", CP, "circular", 2, "ring", "none"),
     ("llama", "pp_cp", CP, "circular", 2, "allgather", "full"),
     ("llama", "pp_tp_sp", TP_SP, "gpipe", 1, None, "none"),
     ("llama", "pp_tp_sp", TP_SP, "gpipe", 1, None, "full"),
-    ("llama", "pp_tp_sp", TP_SP, "circular", 2, None, "none"),
     ("llama", "pp_tp_sp", "stage=2,tensor=4", "gpipe", 1, None, "none"),  # tp's lookup
     ("llama-moe", "pp_ep", EP, "gpipe", 1, None, "none"),
     ("llama-moe", "pp_ep", EP, "gpipe", 1, None, "full"),
-    ("llama-moe", "pp_ep", EP, "circular", 2, None, "none"),
-    (
-        "llama",
-        "pp_ep",
-        EP,
-        "gpipe",
-        1,
-        None,
-        "none",
-    ),  # a dense model: expert is one more batch axis
+    # a dense model: expert is one more batch axis
+    ("llama", "pp_ep", EP, "gpipe", 1, None, "none"),
     ("llama-moe", "pp", "stage=2,data=4", "gpipe", 1, None, "none"),
     ("llama-moe", "pp_tp", "stage=2,data=2,tensor=2", "circular", 2, None, "none"),
     # the explicit schedules: lanes per tick, the embedding and the head inside the scan
