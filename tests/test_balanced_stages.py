@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import user_models as um
+from closeness import assert_close
 from flax import nnx
 
 from models import llama
@@ -74,8 +75,7 @@ def test_uneven_stages_match_one_device(strategy, mesh, schedule, repeats, stage
     params, ref_loss, ref_grads = reference()
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch_of())
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(grads), ref_grads, strict=True):
-        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
 
 
 def test_uneven_stages_on_a_user_model_with_extra_layer_inputs():
@@ -89,8 +89,7 @@ def test_uneven_stages_on_a_user_model_with_extra_layer_inputs():
                          microbatches=4, stage_layers=(1, 3))  # fmt: skip
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from closeness import assert_close
 
 import models
 from models.layers import causal_attention
@@ -85,9 +86,8 @@ def kernel_run(name: str, mesh_spec: str):
 def test_kernel_matches_single_device_attention(name, mesh_spec):
     out, grads = kernel_run(name, mesh_spec)
     ref_out, ref_grads = jax.jit(lambda *a: values_and_grads(KERNELS[name][2], *a))(*inputs())
-    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    assert_close(out, ref_out)
+    assert_close(grads, ref_grads)
 
 
 def test_zigzag_layout_balances_causal_work():
@@ -145,8 +145,7 @@ def test_step_matches_single_device(family, strategy, mesh_spec, method):
     loss, grads = loss_and_grads(family, strategy, mesh_spec, method)
     ref_loss, ref_grads = loss_and_grads(family, "dp", "one device", None)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
 
 
 BYTES = [

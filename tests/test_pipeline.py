@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from closeness import assert_close
 
 from models import gpt2, llama
 from partition_rules import preset
@@ -74,8 +75,7 @@ def assert_matches_reference(prog, family=llama, batch=16):
     loss, grads = prog.loss_and_grads(state["params"], batch_of(family, batch))
     ref_loss, ref_grads = reference(family, batch)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(grads), ref_grads, strict=True):
-        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
 
 
 # (schedule, stages p, micro-batches m, repeats r): p in {2, 4}, m in {p, 2p, 8}, r in {1, 2}
@@ -142,6 +142,8 @@ def test_three_adamw_steps_match(schedule):
     (ref_losses, ref_params), (losses, params) = runs
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for got, want in zip(params, ref_params, strict=True):
+        # Adam divides by sqrt(v): an element whose gradient is near zero moves by up to one
+        # update (lr 1e-3) either way; 1% of an update is what reordering explains.
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

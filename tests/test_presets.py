@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from closeness import assert_close
 from flax import nnx
 from jax import sharding as jshard
 
@@ -85,4 +86,4 @@ def test_sharded_init_and_forward_equal_single_device(family: str, strategy: str
     batch_sharding = jshard.NamedSharding(mesh, jshard.PartitionSpec(("data", "fsdp")))
     x = jax.device_put(batch[fam.INPUT], batch_sharding)
     logits = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, x)
-    np.testing.assert_allclose(np.asarray(logits), ref_logits, rtol=1e-5, atol=1e-6)
+    assert_close(np.asarray(logits), ref_logits)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from closeness import assert_close
 from flax import nnx
 from jax import sharding as jshard
 
@@ -82,11 +83,7 @@ def test_loss_and_gradients_equal_one_device(strategy, remat):
     prog = program(strategy, remat)
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    for (path, got), want in zip(
-        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True
-    ):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+    assert_close(grads, ref_grads)
 
 
 def test_gpt2_sequence_parallel_equals_one_device():
@@ -103,8 +100,7 @@ def test_gpt2_sequence_parallel_equals_one_device():
                               gpt2.batch_shapes(cfg, BATCH, SEQ), stack="layers")  # fmt: skip
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
     assert prog.report().collective_bytes("all-gather", "tensor") > 0
 
 
@@ -115,8 +111,7 @@ def test_accumulation_with_the_batch_split_over_context_equals_one_device():
                               accum_steps=2, stack="layers")  # fmt: skip
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
 
 
 def test_batch_split_over_context_and_whole_over_tensor():

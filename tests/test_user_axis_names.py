@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from closeness import assert_close
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -144,13 +145,10 @@ def test_user_model_matches_one_device(case):
     graphdef = program.graphdef
     loss_ref, grads_ref = jax.value_and_grad(lambda p: loss(nnx.merge(graphdef, p), batch))(host)
 
-    np.testing.assert_allclose(float(loss_sharded), float(loss_ref), rtol=1e-5, atol=1e-6)
+    assert_close(float(loss_sharded), float(loss_ref))
     got, want = _by_path(grads_sharded), _by_path(grads_ref)
     assert got.keys() == want.keys() and len(got) == 2 + 2 * 6 + 2
-    for path in want:
-        np.testing.assert_allclose(
-            np.asarray(got[path]), np.asarray(want[path]), rtol=1e-5, atol=1e-6, err_msg=path
-        )
+    assert_close({p: got[p] for p in want}, want)
 
 
 def test_renamed_map_keys_are_the_users_names():
