@@ -224,6 +224,7 @@ sys.exit(main())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["before-commit", "save-started"])
 def test_killed_save_leaves_the_previous_checkpoint(reference, tmp_path, where):
     ck_dir = tmp_path / "ck"

@@ -90,6 +90,7 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
+@pytest.mark.slow
 def test_llama_tiny_on_one_h100_node_is_data_parallel_and_says_why():
     result = tiny("dp,fsdp,tp,pp")
     ranked = result.ranked
@@ -171,6 +172,7 @@ def test_remat_policies_are_candidates_when_asked():
     assert full.predicted.compute_s > plain.predicted.compute_s
 
 
+@pytest.mark.slow
 def test_compare_cli_writes_json_and_a_png_with_the_recommendation(tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["compare", "--strategies", "dp,fsdp_tp,pp", "--dtype", "float32", "--batch", "16",
@@ -228,6 +230,7 @@ def test_compare_finds_the_cnn_hybrid_beside_pure_dp():
     assert "weights tensor(2)" in hybrid.split
 
 
+@pytest.mark.slow
 def test_profile_traces_each_measured_candidates_timed_steps(tmp_path):
     """--profile DIR: every measured candidate's timed steps in a jax.profiler trace of its own;
     asking for a trace with measuring off is refused before anything compiles or is written."""

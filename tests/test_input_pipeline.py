@@ -88,6 +88,7 @@ class Interrupted(Exception):
     """Stands for a run killed between steps."""
 
 
+@pytest.mark.slow
 def test_train_on_a_local_dataset_and_resume_bit_for_bit(corpus, tmp_path):
     data = ["--data", f"hf:{corpus / 'ds'}", "--tokenizer", corpus / "tokenizer.json"]
     before = files(corpus)

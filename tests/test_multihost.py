@@ -168,6 +168,7 @@ def _losses(path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+@pytest.mark.slow
 def test_two_processes_match_the_single_process_loss_curve(tmp_path):
     multi, single = tmp_path / "multi.jsonl", tmp_path / "single.jsonl"
     cmd = [*LAUNCHER, "--local-processes", "2", "--devices-per-process", "4", "--", *TRAIN,
@@ -191,6 +192,7 @@ def _wait_for_metrics(path, procs, timeout=180.0):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_dead_peer_stops_the_survivor_with_a_clear_message(tmp_path):
     # Processes split along tensor: the batch is replicated, each process loads all of it.
     port, metrics = free_port(), tmp_path / "m.jsonl"
@@ -212,6 +214,7 @@ def test_a_dead_peer_stops_the_survivor_with_a_clear_message(tmp_path):
     assert "Restart all 2 processes" in out
 
 
+@pytest.mark.slow
 def test_launch_ends_the_run_when_a_process_dies(tmp_path):
     metrics = tmp_path / "m.jsonl"
     cmd = [*LAUNCHER, "--local-processes", "2", "--", *TRAIN, "--mesh", "data=2",

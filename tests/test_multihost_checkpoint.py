@@ -98,6 +98,7 @@ def runs(tmp_path_factory):
                            losses=losses(root / "m.jsonl"))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_process_killed_during_a_save_leaves_the_previous_step(runs, tmp_path):
     assert runs.rc == 128 + 9, runs.out[-3000:]
     assert "process 1 failed (signal SIGKILL)" in runs.out
@@ -129,6 +130,7 @@ def test_a_process_killed_during_a_save_leaves_the_previous_step(runs, tmp_path)
         ck.meta(5)
 
 
+@pytest.mark.slow
 def test_launched_resume_from_step_5_is_bit_exact(runs, tmp_path):
     ck_dir = shutil.copytree(runs.ck, tmp_path / "ck")
     shutil.rmtree(ck_dir / "10", ignore_errors=True)  # resume from step 5 as the latest

@@ -134,6 +134,7 @@ def test_a_diverged_run_closes_its_trace_and_scalars(tmp_path):
     assert read["train/loss"].keys() == {1, 2}
 
 
+@pytest.mark.slow
 def test_a_resumed_run_traces_only_the_steps_it_trains(tmp_path, unchanged):
     first = dataclasses.replace(SMALL, steps=2, checkpoint_dir=tmp_path / "ck")
     fit(models.llama, first)

@@ -18,6 +18,7 @@ from functools import cache
 import jax
 import numpy as np
 import pytest
+from closeness import assert_close
 
 import models
 from models.kernels import use as use_kernels
@@ -62,6 +63,9 @@ CASES = [
     ("llama", "pp_cp", PP_CP, "circular", "allgather"),
     ("llama", "pp_cp", PP_CP, "gpipe", "ulysses"),
     ("llama", "pp_cp", PP_CP, "1f1b", "allgather"),
+    # Ring attention's ppermute inside the stage body: the lanes run in lock-step.
+    ("llama", "pp_cp", PP_CP, "1f1b", "ring"),
+    ("llama", "pp_cp", PP_CP, "zb-h1", "ring"),
     ("llama", "pp_cp", PP_CP, "zb-h1", "ulysses"),
     ("llama", "pp_cp", PP_CP, "interleaved", "allgather"),
     ("gpt2", "pp_cp", PP_CP, "gpipe", "ring"),  # a learned position table, through the seam
@@ -80,8 +84,7 @@ def test_pipeline_with_a_sequence_split_matches_one_device(family, strategy, mes
     loss, grads = loss_and_grads(family, strategy, mesh, schedule, method)
     ref_loss, ref_grads = loss_and_grads(family, "dp", "one device", None)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
 
 
 def collective_bytes(prog, axes: tuple[str, ...]) -> dict[str, int]:
@@ -119,12 +122,6 @@ def test_sequence_parallel_stages_gather_and_save_temporaries(schedule):
     assert collective_bytes(sp, ("tensor",)).get("all-gather", 0) > 0
     assert "all-gather" not in collective_bytes(tp, ("tensor",))
     assert sp.report().memory.temp < 0.95 * tp.report().memory.temp
-
-
-def test_ring_inside_an_explicit_schedule_is_refused():
-    with pytest.raises(ContextParallelError, match=r"'ring' inside the '1f1b'.*allgather or "
-                       r"ulysses.*gpipe or circular"):  # fmt: skip
-        program("llama", "pp_cp", PP_CP, "1f1b", "ring")
 
 
 def test_positions_outside_the_seam_are_refused_inside_a_pipeline():

@@ -21,9 +21,10 @@ def test_the_readme_has_python_blocks_and_a_two_command_quickstart():
     quickstart = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"^```\n(.*?)\n```", quickstart, flags=re.S | re.M)
     assert commands == ["pip install -e . && spmdkit compare",
-                        "pip install -e '.[test]' && python -m pytest -n auto -q"]  # fmt: skip
+                        "pip install -e '.[test]' && python -m pytest -n auto -q --durations=10"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=lambda i: f"block{i + 1}")
 def test_python_block_runs_as_written(index, tmp_path):
     """Each block in a fresh interpreter on a host with one CPU device (the JAX default), with

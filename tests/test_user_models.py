@@ -1,6 +1,6 @@
 """Models written in the tests (`tests/user_models.py`), own names throughout: every strategy and
 every pipeline schedule that applies computes the loss and gradients of a plain one-device
-`jax.jit` of the user's own loss (float32, rtol 1e-5), and a pipeline never computes another loss.
+`jax.jit` of the user's own loss (float32, `closeness.assert_close`), and a pipeline never computes another loss.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import user_models as um
+from closeness import assert_close
 from flax import nnx
 
 from sharding import StackError, StepConfigError, build_program
@@ -48,8 +49,7 @@ def assert_matches_reference(prog, work, work_key):
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch)
     ref_loss, ref_grads = reference(work, work_key, batch)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(grads), ref_grads, strict=True):
-        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6)
+    assert_close(grads, ref_grads)
     return float(loss)
 
 
@@ -59,6 +59,7 @@ WORKLOADS = {
     ("decoder", "l2"): lambda: um.transformer("stacked", um.l2_loss),
     ("decoder", "head_l2"): lambda: um.transformer("stacked", um.head_l2_loss),
     ("cnn",): um.cnn,
+    ("fused",): um.fused,
 }
 SPLITS = [
     ("dp", "data=8", None),
@@ -171,3 +172,47 @@ def test_unknown_stack_path_lists_the_submodules():
     wrong = type(work)(**{**work.__dict__, "stack": "layers"})
     with pytest.raises(StackError, match=r"stack='layers'.*no submodule 'layers'.*blocks"):
         program(wrong, "dp", "data=8")
+
+
+# A fused qkv projection split over tensor (or fsdp) needs XLA's collective-permutes inside the
+# stage body: under a schedule whose stages take different branches in one tick they would wait
+# for stages that never come, unless every branch runs in lock-step (sharding.pipeline).
+FUSED = [
+    ("pp_tp", "stage=2,data=2,tensor=2", "1f1b"),
+    ("pp_tp", "stage=2,data=2,tensor=2", "zb-h1"),
+    ("pp_tp", "stage=2,data=2,tensor=2", "interleaved"),
+    ("pp_tp_sp", "stage=2,data=2,tensor=2", "zb-h1"),
+    ("pp_fsdp", "stage=2,fsdp=4", "interleaved"),
+    ("pp_ep", "stage=2,expert=2,data=2", "1f1b"),
+]
+
+
+@cache
+def fused_gpipe_loss() -> float:
+    work = um.fused()
+    return assert_matches_reference(program(work, "pp_tp", "stage=2,data=2,tensor=2", "gpipe"),
+                                    work, ("fused",))  # fmt: skip
+
+
+@pytest.mark.parametrize(("strategy", "mesh", "schedule"), FUSED)
+def test_fused_qkv_trains_under_every_explicit_schedule(strategy, mesh, schedule):
+    """Loss and gradients equal one device's and gpipe's; the tick loop runs in lock-step where a
+    stage's body is partitioned, and the permutes XLA inserts for the cut are inside it."""
+    work = um.fused()
+    prog = program(work, strategy, mesh, schedule)
+    hlo = prog.compiled.as_text()
+    # pp_ep's stages are manual over expert (a batch axis for a dense model): nothing inside a
+    # stage is partitioned there, so its stages keep their own branches.
+    assert ("/pipeline_lockstep/" in hlo) == (strategy != "pp_ep")
+    if "tensor" in mesh:  # the cut of the fused projection, inside F
+        permutes = [line for line in hlo.splitlines() if " collective-permute(" in line]
+        assert any("pipeline_lockstep/" in line and "/pipeline_F/" in line for line in permutes)
+    loss = assert_matches_reference(prog, work, ("fused",))
+    assert loss == pytest.approx(fused_gpipe_loss(), rel=1e-6)
+
+
+def test_stages_without_an_automatic_axis_keep_their_own_branches():
+    """pp over data alone: nothing inside a stage can be partitioned, so each stage skips what
+    its cell leaves idle (no lock-step: zb-h1 keeps its bubble-free ticks)."""
+    prog = program(um.transformer("stacked"), "pp", "stage=2,data=4", "zb-h1")
+    assert "pipeline_lockstep" not in prog.compiled.as_text()

@@ -22,6 +22,7 @@ def model_file(tmp_path, monkeypatch):
     return "my_models.py"
 
 
+@pytest.mark.slow
 def test_train_explain_and_reshard_a_user_model(model_file, tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     assert main(["train", "--model", f"{model_file}:transformer", "--strategy", "pp",

@@ -4,6 +4,10 @@ names: nothing here comes from the shipped families except the `make_stacked` bu
 - `transformer(form=...)`: a small decoder whose blocks take extra per-layer inputs (a padding
   mask and a learned position bias computed before the stack), stacked (``form="stacked"``) or
   as a Python list of blocks (``form="list"``); optional L2 penalties in the loss.
+- `fused()`: a decoder written from the README's contract with real attention: one fused
+  ``nnx.Linear(D, 3D)`` query/key/value projection cut into heads, a padding mask per layer.
+  Split over ``tensor`` on its 3D outputs, cutting q, k and v apart needs XLA to move columns
+  between the tensor shards (a collective-permute) inside every layer, forward and backward.
 - `cnn()`: a convolutional stack and a wide two-layer classifier: the guides' hybrid case
   (convolutions data-parallel, the classifier split over ``tensor``).
 
@@ -139,6 +143,75 @@ def transformer(form: str = "stacked", loss=decoder_loss) -> Workload:
         rules=LIST_RULES if form == "list" else STACKED_RULES,
         names=NAMES,
         stack=None if form == "list" else "blocks",
+        seq=SEQ,
+        make_batch=decoder_batch,
+    )
+
+
+# --- attention with a fused query/key/value projection ----------------------------------------
+HEADS = 4
+
+
+class FusedBlock(nnx.Module):
+    """Causal attention over the unmasked positions, q, k and v from one fused projection."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.ones((WIDTH,)))
+        self.qkv = nnx.Linear(WIDTH, 3 * WIDTH, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+        self.up = _init(rngs, WIDTH, FFN)
+        self.down = _init(rngs, FFN, WIDTH)
+
+    def __call__(self, h, mask, pos_bias):
+        b, s, _ = h.shape
+        x = h * self.scale[...] + pos_bias
+        q, k, v = (t.reshape(b, s, HEADS, WIDTH // HEADS) for t in jnp.split(self.qkv(x), 3, -1))
+        scores = jnp.einsum("bsnh,btnh->bnst", q, k) / (WIDTH // HEADS) ** 0.5
+        keep = jnp.tril(jnp.ones((s, s), bool))[None, None] & (mask[:, None, None, :] > 0)
+        weights = jax.nn.softmax(jnp.where(keep, scores, -1e9), axis=-1)
+        h = h + self.out(jnp.einsum("bnst,btnh->bsnh", weights, v).reshape(b, s, WIDTH))
+        return h + jax.nn.gelu(h @ self.up[...]) @ self.down[...]
+
+
+class FusedDecoder(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.tok = _init(rngs, VOCAB, WIDTH, scale=1.0)
+        self.pos = _init(rngs, SEQ, WIDTH)
+        self.blocks = make_stacked(lambda r: FusedBlock(r), DEPTH, rngs)
+        self.unembed = _init(rngs, WIDTH, VOCAB)
+
+    def __call__(self, ids, mask):
+        h = self.tok[...][ids]
+        pos_bias = jnp.broadcast_to(self.pos[...][: ids.shape[1]], h.shape)
+        h = self.blocks(h, mask.astype(h.dtype), pos_bias=pos_bias)
+        return h @ self.unembed[...]
+
+
+FUSED_RULES = Rules(
+    [
+        (r"tok", ("words", "hidden")),
+        (r"pos", (None, "hidden")),
+        (r"blocks/scale", ("depth", None)),
+        (r"blocks/qkv/kernel", ("depth", "hidden", "fused_heads")),
+        (r"blocks/out/kernel", ("depth", "fused_heads", "hidden")),
+        (r"blocks/up", ("depth", "hidden", "ffn")),
+        (r"blocks/down", ("depth", "ffn", "hidden")),
+        (r"unembed", ("hidden", "words")),
+    ]
+)
+
+
+def fused() -> Workload:
+    return Workload(
+        name="tiny-decoder-fused-qkv",
+        model=lambda rngs: FusedDecoder(rngs=rngs),
+        loss=lambda model, batch: cross_entropy(
+            model(batch["ids"], batch["mask"]), batch["labels"]
+        ),
+        batch_shapes=decoder_shapes,
+        rules=FUSED_RULES,
+        names={**NAMES, "heads": "fused_heads"},
+        stack="blocks",
         seq=SEQ,
         make_batch=decoder_batch,
     )

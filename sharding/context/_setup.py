@@ -132,18 +132,12 @@ def context_kernels(
     return kernels, batch_reorder(seq, c)
 
 
-# Schedules whose stages compute at every tick: their collectives run on every device together.
-LOCKSTEP = frozenset({"gpipe", "circular"})
-
-
 def check_pipelined(name: str, method: str, schedule: str | None, seam: dict) -> None:
     """Refuse what context parallelism inside a pipeline cannot run exactly.
 
-    1f1b, interleaved and zb-h1 run each stage's work in a conditional (a stage idles on some
-    ticks). Ring attention's ``ppermute`` inside it is wrong on XLA:CPU: a collective-permute
-    meets every device of the program, and devices in different stages reach it at different
-    ticks (measured: wrong values, or a hang). The all-gather and the all-to-all meet only their
-    own context group, and are exact there.
+    Ring attention's ``ppermute`` inside 1f1b, interleaved and zb-h1 is taken care of there:
+    a stage body that sends makes the schedule's lanes run in lock-step
+    (`sharding.pipeline._explicit`), so every stage reaches each collective-permute together.
     """
     if schedule is None:
         return
@@ -154,11 +148,4 @@ def check_pipelined(name: str, method: str, schedule: str | None, seam: dict) ->
             f"kernel, so they would be those of the slice; make the model call "
             f"models.kernels.resolve('positions', default) (models.layers.SelfAttention does), "
             f"or use a mesh with stage=1 or {AXIS}=1"
-        )
-    if method == "ring" and schedule not in LOCKSTEP:
-        raise ContextParallelError(
-            f"context_method='ring' inside the {schedule!r} pipeline schedule: its stages idle "
-            f"in turn, and ring attention's collective-permutes must run on every device at "
-            f"once; use --context-method allgather or ulysses with {schedule!r}, or --schedule "
-            f"gpipe or circular with ring"
         )

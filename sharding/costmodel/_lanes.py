@@ -56,33 +56,43 @@ class Lanes:
 
 
 def tick_costs(
-    schedule: Schedule, lanes: Lanes, stage_layers: Sequence[int] | None = None
+    schedule: Schedule,
+    lanes: Lanes,
+    stage_layers: Sequence[int] | None = None,
+    *,
+    lockstep: bool = False,
 ) -> TickCosts:
     """`Schedule.tick_costs` of the lanes, per stage: a stage's F, B and W for all its chunks
     (a chunk costs 1/repeats), the last stage's F adding the head once per micro-batch (exact
     for one chunk; with several, spread over the last stage's chunks).
 
     ``stage_layers`` (balanced stages, one count per virtual stage): the lanes were measured
-    with every stage's ``max(stage_layers)`` layer slots, of which a stage runs its own count.
+    with every stage's ``max(stage_layers)`` layer slots, of which a stage runs its own count
+    (``lockstep``: all of them, the spare ones computed and discarded; see `Schedule.tick_costs`).
     """
     p, r = schedule.stages, schedule.repeats
     share = [1.0] * p
-    if stage_layers is not None:
+    if stage_layers is not None and not lockstep:
         slots = r * max(stage_layers)
         share = [sum(stage_layers[c * p + s] for c in range(r)) / slots for s in range(p)]
     forward = [r * lanes.forward * x for x in share]
     forward[-1] += lanes.head
     weight = [r * lanes.weight * x for x in share]
     weight[-1] += lanes.head_weight
-    return schedule.tick_costs(forward, [r * lanes.backward * x for x in share], weight)
+    return schedule.tick_costs(forward, [r * lanes.backward * x for x in share], weight,
+                               lockstep=lockstep)  # fmt: skip
 
 
 def price(
-    schedule: Schedule, lanes: Lanes, stage_layers: Sequence[int] | None = None
+    schedule: Schedule,
+    lanes: Lanes,
+    stage_layers: Sequence[int] | None = None,
+    *,
+    lockstep: bool = False,
 ) -> tuple[float, float]:
     """(critical-path FLOPs, the busiest stage's own FLOPs) of one step per device: the tick
     loop in lock-step plus what every stage does every tick and outside the loop."""
-    costs = tick_costs(schedule, lanes, stage_layers)
+    costs = tick_costs(schedule, lanes, stage_layers, lockstep=lockstep)
     fixed = lanes.outside + schedule.ticks * lanes.per_tick
     return fixed + costs.critical, fixed + costs.busiest
 
@@ -130,8 +140,16 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
     # zb-h1 leaves the head's weight gradient (a third of its work) to the last stage's W.
     head_w = head / 3 if sched.splits_backward else 0.0
     lanes = Lanes(stage, backward, weight, (head - head_w) / m, head_w / m)
-    critical, busiest = price(sched, lanes)
+    critical, busiest = price(sched, lanes, lockstep=lockstep(s))
     return busiest, critical, lanes
+
+
+def lockstep(s: Any) -> bool:
+    """Whether setup ``s``'s explicit schedule runs its lanes in lock-step: a stage body
+    partitioned over an automatic axis (tensor, fsdp) or holding ring attention's ppermute
+    (`sharding.pipeline._explicit`)."""
+    sz = s.sizes
+    return sz["tensor"] > 1 or sz["fsdp"] > 1 or (sz["context"] > 1 and s.context_method == "ring")
 
 
 __all__ = ["Lanes", "flops", "price", "tick_costs"]

@@ -261,6 +261,7 @@ def predict(
     notes = []
     if lanes is not None:
         pipe["lanes"] = lanes.to_dict()
+        pipe["lockstep"] = _lanes.lockstep(s)
         notes.append(f"{sched.name}: FLOPs count what the busiest stage runs (a compiled count "
                      f"charges every lane of every tick); the critical path prices the table")  # fmt: skip
     return Prediction(

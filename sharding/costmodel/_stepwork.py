@@ -168,8 +168,10 @@ def _pipeline_flops(
                             f"iterations; expected one, the tick scan")  # fmt: skip
     lanes, share = _lanes(t, loops[0][0], per_tick[0], schedule)
     lanes = Lanes(**{**lanes.to_dict(), "outside": out["outside_flops"]})
-    critical, busiest = price(schedule, lanes, stage_layers)
-    out.update(lanes=lanes.to_dict(), forward_tick_flops=lanes.forward,
+    # Lanes in lock-step (a stage body partitioned over an automatic axis) price the union.
+    lockstep = "/pipeline_lockstep/" in hlo_text
+    critical, busiest = price(schedule, lanes, stage_layers, lockstep=lockstep)
+    out.update(lanes=lanes.to_dict(), lockstep=lockstep, forward_tick_flops=lanes.forward,
                backward_tick_flops=lanes.backward, weight_tick_flops=lanes.weight,
                head_tick_flops=lanes.head, critical_flops=critical,
                busiest_device_flops=busiest)  # fmt: skip
@@ -325,7 +327,7 @@ def work_from_prediction(
                      f"(the head outside the tick scan counted as if it ticked).")  # fmt: skip
         return work
     # predict's lanes (one micro-batch through one chunk), priced as a compiled program's are.
-    critical, busiest = price(sched, Lanes.of(pipe["lanes"]))
+    critical, busiest = price(sched, Lanes.of(pipe["lanes"]), lockstep=pipe.get("lockstep", False))
     work.matmul_flops, work.bubble_flops = critical, critical - busiest
     notes.append(f"{sched.name}: priced from the schedule table in lock-step (each tick as long "
                  f"as its slowest stage; the head in the last stage's forward).")  # fmt: skip

@@ -13,6 +13,9 @@ tick costs its slowest stage's actions, nothing more):
   layer's output gradient for W.
 - W: zb-h1's weight gradient, which nobody waits for, filling the ticks 1f1b leaves idle.
 
+Where a collective inside a branch could wait for stages that skip it, the branches run in
+lock-step instead (`sharding.pipeline._lockstep`).
+
 Activations move to the next stage and input gradients to the previous one with one `ppermute`
 each per tick (a ring when stages hold several chunks); weight gradients accumulate in the carry
 and the data-parallel reduction runs once, after the scan. The scan computes the loss *and* its
@@ -21,6 +24,7 @@ gradients, so it is exposed to autodiff through `jax.custom_vjp` whose backward 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -46,6 +50,7 @@ from sharding.pipeline._layers import (
     uniform,
     varying,
 )
+from sharding.pipeline._lockstep import Lockstep, sends
 from sharding.pipeline._schedule import Schedule
 from sharding.pipeline._split import Split
 
@@ -126,6 +131,7 @@ def explicit_pipeline(
         dims: per leaf of ``layers`` (flattened), the manual axes splitting its own dimensions.
     """
     reps = replicas(sequence, mesh)
+    auto = sorted(a for a, n in mesh.shape.items() if n > 1 and a not in {"stage", *reps})
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
     fixed = [x for x, f in zip(extras_m, floats, strict=True) if not f]
 
@@ -137,7 +143,7 @@ def explicit_pipeline(
         layer_specs = per_leaf(lambda _, d: layer_spec(d), layers, dims)
         micro = lambda x: micro_spec(x, reps, seq)  # noqa: E731
         body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, embed,
-                                 schedule, floats, valid, reps, enter, dims)  # fmt: skip
+                                 schedule, floats, valid, reps, enter, dims, bool(auto))  # fmt: skip
         return jax.shard_map(
             body,
             mesh=mesh,
@@ -169,6 +175,7 @@ def _body(
     reps: tuple[str, ...],
     enter: Callable | None,
     dims: list | None,
+    auto: bool,
     layers: Any,
     rest: Any,
     extras_m: list,
@@ -213,9 +220,15 @@ def _body(
     def valid(c: jax.Array) -> jax.Array | None:
         return None if valid_s is None else lax.dynamic_index_in_dim(valid_s, c, 0, False)
 
-    # The residuals' shapes, from an abstract forward of one chunk (nothing runs).
+    # The residuals' shapes from an abstract forward of one chunk; lock-step lanes (_lockstep)?
     fex0, ex0 = inputs(0)
-    res_shapes = jax.eval_shape(lambda: chunk.forward(weights(0), zero_x, fex0, ex0, valid(0))[1])
+    traced = jax.make_jaxpr(lambda: chunk.forward(weights(0), zero_x, fex0, ex0, valid(0))[1],
+                            return_shape=True)()  # fmt: skip
+    res_shapes = traced[1]
+    lockstep = auto or sends(traced[0].jaxpr)
+    chunk.lockstep = lockstep
+    step = Lockstep(lockstep, schedule, tables(schedule))
+    branch, zeroed, put, add = step.branch, step.zeroed, step.put, step.add
 
     def ring(n_slots: int, like: Any) -> Any:
         return jax.tree.map(
@@ -223,28 +236,27 @@ def _body(
             like,
         )
 
-    def put(buf: Any, slot: jax.Array, value: Any) -> Any:
-        return jax.tree.map(lambda b, x: b.at[slot].set(x.astype(b.dtype)), buf, value)
-
     def get(buf: Any, slot: jax.Array) -> Any:
         return jax.tree.map(lambda b: b[slot], buf)
 
     def forward(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         i, k = tab["F.micro"][t, sid], tab["F.chunk"][t, sid]
+        on = step.real(i)  # lock-step: is this stage's F real?
         first, last = (sid == 0) & (k == 0), (sid == p - 1) & (k == v - 1)
         batch_i = jax.tree.map(lambda a: a[i], batch_m)
         with jax.named_scope("pipeline_embed"):  # the first stage computes its micro-batch's input
-            x = lax.cond(first, uniform(entered), uniform(lambda r_, b_: zero_x), rest,
-                         batch_i)  # fmt: skip
+            x, _ = branch(first, "embed.F", t, on, uniform(entered),
+                          uniform(lambda r_, b_: zero_x), rest, batch_i)  # fmt: skip
         x = jnp.where(first, x, c["act"][jnp.maximum(tab["F.act"][t, sid], 0)])
         fex, ex = inputs(i)
         y, res = chunk.forward(weights(k), x, fex, ex, valid(k))
-        c = {**c, "res": put(c["res"], tab["F.res"][t, sid], res)}
+        c = {**c, "res": put(c["res"], tab["F.res"][t, sid], res, on)}
         if split:  # the head's weight gradient waits for W, like the layers'
             with jax.named_scope("pipeline_head"):
-                value, dy, kept = lax.cond(last, uniform(head_b), uniform(no_head_b),
-                                           rest, y, batch_i)  # fmt: skip
-            c["head"] = put(c["head"], tab["F.res"][t, sid], kept)
+                (value, dy, kept), keep = branch(last, "head.F", t, on, uniform(head_b),
+                                                 uniform(no_head_b), rest, y, batch_i)  # fmt: skip
+            value = zeroed(keep, value)
+            c["head"] = put(c["head"], tab["F.res"][t, sid], kept, on)
         else:
 
             def head(_: None) -> tuple:
@@ -255,24 +267,26 @@ def _body(
                 return jnp.zeros_like(c["loss"]), jax.tree.map(jnp.zeros_like, rest), zero_x
 
             with jax.named_scope("pipeline_head"):
-                value, drest, dy = lax.cond(last, head, no_head, None)
+                (value, drest, dy), keep = branch(last, "head.F", t, on, head, no_head, None)
+            value, drest = zeroed(keep, (value, drest))
             c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
         c["loss"] = c["loss"] + value
-        c["cot"] = jnp.where(last, c["cot"].at[jnp.maximum(tab["F.cot"][t, sid], 0)].set(dy),
+        c["cot"] = jnp.where(last & on, c["cot"].at[jnp.maximum(tab["F.cot"][t, sid], 0)].set(dy),
                              c["cot"])  # fmt: skip
         return c, y
 
     def backward(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         i, k = tab["B.micro"][t, sid], tab["B.chunk"][t, sid]
+        on = step.real(i)
         fex, _ = inputs(i)
         ct = c["cot"][tab["B.cot"][t, sid]]
         dx, dfex, out = chunk.backward(weights(k), get(c["res"], tab["B.res"][t, sid]), ct, fex,
                                        weights=not split, valid=valid(k))  # fmt: skip
         c = dict(c)
         if split:
-            c["wct"] = put(c["wct"], tab["B.wct"][t, sid], out)
+            c["wct"] = put(c["wct"], tab["B.wct"][t, sid], out, on)
         else:
-            c["gw"] = jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], out)
+            c["gw"] = add(c["gw"], jnp.maximum(k, 0), out, on)
         first = (sid == 0) & (k == 0)
         batch_i = jax.tree.map(lambda a: a[i], batch_m)
 
@@ -281,29 +295,31 @@ def _body(
             return jax.vjp(lambda r_: entered(r_, b), r)[1](g)[0]
 
         with jax.named_scope("pipeline_embed"):  # ... and its gradient, from the input gradient
-            drest = lax.cond(first, uniform(embed_grad),
-                             uniform(lambda r_, b_, g_: jax.tree.map(jnp.zeros_like, r_)),
-                             rest, batch_i, dx)  # fmt: skip
-        c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
-        c["dex"] = [acc.at[i].add(d) for acc, d in zip(c["dex"], dfex, strict=True)]
+            drest, keep = branch(first, "embed.B", t, on, uniform(embed_grad),
+                                 uniform(lambda r_, b_, g_: jax.tree.map(jnp.zeros_like, r_)),
+                                 rest, batch_i, dx)  # fmt: skip
+        c["grest"] = jax.tree.map(jnp.add, c["grest"], zeroed(keep, drest))
+        c["dex"] = add(c["dex"], jnp.maximum(i, 0), dfex, on)
         return c, dx
 
     def weight(c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         k = tab["W.chunk"][t, sid]
+        on = step.real(k)
         slot = tab["W.res"][t, sid]
         dw = chunk.weight_grad(weights(k), get(c["res"], slot), get(c["wct"], tab["W.wct"][t, sid]),
                                c["back"], valid(k))  # fmt: skip
-        c = {**c, "gw": jax.tree.map(lambda g, d: g.at[k].add(d), c["gw"], dw)}
+        c = {**c, "gw": add(c["gw"], jnp.maximum(k, 0), dw, on)}
         last = (sid == p - 1) & (k == v - 1)
         with jax.named_scope("pipeline_head_w"):
-            drest = lax.cond(last, uniform(head_w), uniform(no_head_w), get(c["head"], slot))
-        c["grest"] = jax.tree.map(jnp.add, c["grest"], drest)
+            drest, keep = branch(last, "head.W", t, on, uniform(head_w), uniform(no_head_w),
+                                 get(c["head"], slot))  # fmt: skip
+        c["grest"] = jax.tree.map(jnp.add, c["grest"], zeroed(keep, drest))
         return c, zero_x
 
     def lane(kind: str, run: Callable, c: dict, t: jax.Array) -> tuple[dict, jax.Array]:
         # The scope names the conditional in the HLO (`sharding.costmodel` prices each lane).
         with jax.named_scope(f"pipeline_{kind}"):
-            active = tab[f"{kind}.micro"][t, sid] >= 0
+            active = step.lane(kind, t, tab[f"{kind}.micro"][t, sid] >= 0)
             return lax.cond(active, run, lambda c_, _: (c_, zero_x), c, t)
 
     ring_to = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
@@ -367,7 +383,8 @@ def _body(
         wct = jax.eval_shape(lambda: chunk.backward(weights(0), res0, carry["cot"][0], fex0,
                                                     weights=False, valid=valid(0))[2])  # fmt: skip
         carry["wct"] = ring(n.weight_cotangents, wct)
-    carry, _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
+    with jax.named_scope("pipeline_lockstep") if lockstep else contextlib.nullcontext():
+        carry, _ = lax.scan(tick, carry, jnp.arange(schedule.ticks))
     n_data = math.prod(lax.axis_size(a) for a in reps)
     # The loss is the mean over data replicas (and sequence slices) of each one's micro-batch
     # mean.

@@ -33,6 +33,15 @@ class Layers:
         self.layer_fn, self.wrap, self.floats = layer_fn, wrap, floats
         self.tree: Any = None
         self.weight_of: list[int] = []  # per pullback leaf: the weight leaf it is, or -1
+        # Lock-step lanes (`sharding.pipeline._explicit`): a spare layer slot is computed and
+        # discarded instead of skipped, so every stage runs the same collectives.
+        self.lockstep = False
+
+    def _branch(self, ok: jax.Array, run: Callable, skip: Callable, *ops: Any) -> Any:
+        if not self.lockstep:
+            return lax.cond(ok, uniform(run), uniform(skip), *ops)
+        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), uniform(run)(*ops),
+                            uniform(skip)(*ops))  # fmt: skip
 
     def _layer(self, ex: list) -> Callable:
         def layer(w_l: Any, h: jax.Array, fex: list) -> jax.Array:
@@ -66,7 +75,7 @@ class Layers:
 
         def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, list]:
             w_l, ok = xs
-            return lax.cond(ok, uniform(run), uniform(skip), w_l, h)
+            return self._branch(ok, run, skip, w_l, h)
 
         return lax.scan(body, x, (w, valid))
 
@@ -106,7 +115,7 @@ class Layers:
                     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
                     return g, [jnp.zeros_like(e) for e in fex], zeros
 
-                dh, dfex_l, out = lax.cond(ok, uniform(run), uniform(skip), w_l, r_l, g)
+                dh, dfex_l, out = self._branch(ok, run, skip, w_l, r_l, g)
             dfex = [a + b for a, b in zip(dfex, dfex_l, strict=True)]
             return (dh, dfex), out
 
@@ -131,7 +140,7 @@ class Layers:
             w_l, r_l, b_l, ok = xs
             if valid is None:
                 return None, run(w_l, r_l, b_l)
-            return None, lax.cond(ok, uniform(run), uniform(skip), w_l, r_l, b_l)
+            return None, self._branch(ok, run, skip, w_l, r_l, b_l)
 
         ok = jnp.ones(jax.tree.leaves(w)[0].shape[0], bool) if valid is None else valid
         return lax.scan(body, None, (w, res, boundary, ok))[1]

@@ -160,13 +160,10 @@ class Schedule:
 
     @property
     def peak_activations(self) -> tuple[int, ...]:
-        """Per stage, the most micro-batch chunks whose forward residuals it holds at once.
-
-        gpipe ``m``, circular ``r*m`` (autodiff keeps all for its reversed scan), 1f1b
-        ``2(p - s) - 1`` (at most m), zb-h1 at most ``p`` (residuals live until W).
-        """
-        first: dict[tuple[int, int, int], int] = {}
-        last: dict[tuple[int, int, int], int] = {}
+        """Per stage, the most micro-batch chunks whose forward residuals it holds at once: gpipe
+        ``m``, circular ``r*m`` (autodiff keeps all for its reversed scan), 1f1b ``2(p - s) - 1``
+        (at most m), zb-h1 at most ``p`` (residuals live until W)."""
+        first, last = {}, {}  # (stage, micro-batch, chunk) -> its first / last tick
         for t, row in enumerate(self.table + self.backward_table):
             for s, cell in enumerate(row):
                 for a in cell:
@@ -195,8 +192,12 @@ class Schedule:
         forward: float | Sequence[float],
         backward: float | Sequence[float],
         weight: float | Sequence[float] = 0.0,
+        *,
+        lockstep: bool = False,
     ) -> TickCosts:
-        """Price the table in lock-step: each tick lasts as long as its slowest stage.
+        """Price the table in lock-step: each tick lasts as long as its slowest stage (with
+        ``lockstep``, lanes in lock-step, `sharding.pipeline._lockstep`: a stage's tick costs
+        every kind of action any stage runs in it).
 
         Args:
             forward, backward, weight: one stage's forward, input-gradient and weight-gradient
@@ -210,6 +211,8 @@ class Schedule:
             33.0
             >>> make_schedule(4, 8, "zb-h1").tick_costs(1.0, 1.0, 1.0).critical
             27.0
+            >>> make_schedule(4, 8, "zb-h1").tick_costs(1.0, 1.0, 1.0, lockstep=True).critical
+            62.0
         """
         p, r = self.stages, self.repeats
         f, b, w = (_per_stage(x, p, n) for x, n in
@@ -219,7 +222,9 @@ class Schedule:
                 Kind.WEIGHT: w}  # fmt: skip
         per_tick, per_stage = [], [0.0] * p
         for row in self.table + self.backward_table:
-            work = [sum(cost[a.kind][s] for a in cell) / r for s, cell in enumerate(row)]
+            union = [a.kind for a in {a.kind: a for cell in row for a in cell}.values()]
+            work = [sum(cost[k][s] for k in (union if lockstep else [a.kind for a in cell])) / r
+                    for s, cell in enumerate(row)]  # fmt: skip
             per_tick.append(max(work))
             per_stage = [x + y for x, y in zip(per_stage, work, strict=True)]
         return TickCosts(float(sum(per_tick)), float(max(per_stage)), tuple(per_tick))
