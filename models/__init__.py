@@ -20,9 +20,10 @@ Example:
     True
 """
 
-from models import cnn, gpt2, layers, llama, llama_moe, mlp, moe
+from models import attention, cnn, gpt2, kernels, layers, llama, llama_moe, mlp, moe
 from models._errors import BatchError, ModelConfigError, ModelError, UnknownFamilyError
 from models._registry import FAMILIES, build_config, get_family
+from models.attention import AttentionKernelError
 from models.hf import (
     HFCheckpointNotFoundError,
     HFCorruptFileError,
@@ -36,6 +37,7 @@ from models.layers import scan_layers
 
 __all__ = [
     "FAMILIES",
+    "AttentionKernelError",
     "BatchError",
     "HFCheckpointNotFoundError",
     "HFCorruptFileError",
@@ -47,11 +49,13 @@ __all__ = [
     "PickleCheckpointError",
     "UnknownFamilyError",
     "UnsupportedHFConfigError",
+    "attention",
     "build_config",
     "cnn",
     "get_family",
     "gpt2",
     "hf",
+    "kernels",
     "layers",
     "llama",
     "llama_moe",

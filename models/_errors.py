@@ -22,3 +22,7 @@ class ModelConfigError(ModelError):
 
 class BatchError(ModelError):
     """A batch the model cannot compute on: wrong entries, shapes, dtypes or token ids."""
+
+
+class AttentionKernelError(ModelConfigError):
+    """An attention kernel that cannot run here, or on these shapes."""

@@ -3,7 +3,7 @@ experts, its expert layer) can run distributed without the model knowing.
 
 A model asks for a kernel by name with its own single-device computation as the default::
 
-    attend = kernels.resolve("attention", causal_attention)
+    attend = kernels.resolve("attention", attention.auto_attention)
     out = attend(q_BSNH, k_BTKH, v_BTKH)
 
 and gets that default unless a caller is tracing it inside ``kernels.use(attention=fn)``. A
@@ -15,7 +15,8 @@ context variable, so they apply to tracing in this thread only and end with the 
 The kernels a model may ask for, and the signature a replacement must keep:
 
 - ``attention(q_BSNH, k_BTKH, v_BTKH) -> out_BSNH``: causal softmax attention with grouped
-  query heads (`models.layers.causal_attention`), positions taken from ``positions`` below;
+  query heads (`models.attention`: the backend's flash kernel, a pure-JAX blockwise one, or the
+  materialising reference), positions taken from ``positions`` below;
 - ``positions(seq_len) -> [S] int32``: the position of each sequence slot, ``arange(S)`` unless
   the caller laid the sequence out in another order (context parallelism balances the causal
   work across devices by reordering the sequence; RoPE and the causal mask then follow these);

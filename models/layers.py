@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import kernels
+from models import attention, kernels
 
 __all__ = [
     "Dense",
@@ -166,10 +166,12 @@ def rope(x_BSNH: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def causal_attention(q_BSNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
-    """Causal softmax attention with grouped-query support.
+    """Causal softmax attention with grouped-query support, the whole score matrix at once.
 
-    Each of the K key/value heads serves N/K consecutive query heads (kv heads are repeated),
-    matching Llama's grouped-query attention. Scores and softmax run in float32.
+    Each of the K key/value heads serves N/K consecutive query heads, matching Llama's
+    grouped-query attention. Scores and softmax run in float32. The reference kernel
+    (``attention="xla"``, `models.attention.xla_attention`); `SelfAttention` runs
+    `models.attention.auto_attention` (flash-style, memory linear in the sequence) by default.
 
     Returns:
         `[B, S, N, H]` in q's dtype.
@@ -177,16 +179,7 @@ def causal_attention(q_BSNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) ->
     n_heads, n_kv = q_BSNH.shape[-2], k_BTKH.shape[-2]
     if n_heads % n_kv:
         raise ValueError(f"query heads ({n_heads}) must be a multiple of kv heads ({n_kv})")
-    k_BTNH = jnp.repeat(k_BTKH, n_heads // n_kv, axis=-2)
-    v_BTNH = jnp.repeat(v_BTKH, n_heads // n_kv, axis=-2)
-    scores_BNST = jnp.einsum(
-        "bsnh,btnh->bnst", q_BSNH, k_BTNH, preferred_element_type=jnp.float32
-    ) * (q_BSNH.shape[-1] ** -0.5)
-    s, t = q_BSNH.shape[1], k_BTKH.shape[1]
-    causal_ST = jnp.tril(jnp.ones((s, t), dtype=bool), k=t - s)
-    scores_BNST = jnp.where(causal_ST, scores_BNST, jnp.finfo(jnp.float32).min)
-    probs_BNST = jax.nn.softmax(scores_BNST, axis=-1).astype(v_BTNH.dtype)
-    return jnp.einsum("bnst,btnh->bsnh", probs_BNST, v_BTNH)
+    return attention.xla_attention(q_BSNH, k_BTKH, v_BTKH)
 
 
 class SelfAttention(nnx.Module):
@@ -222,7 +215,7 @@ class SelfAttention(nnx.Module):
             positions_S = kernels.resolve("positions", kernels.default_positions)(x_BSD.shape[1])
             q_BSNH = rope(q_BSNH, positions_S, self.rope_theta)
             k_BSKH = rope(k_BSKH, positions_S, self.rope_theta)
-        attend = kernels.resolve("attention", causal_attention)
+        attend = kernels.resolve("attention", attention.auto_attention)
         return self.o(attend(q_BSNH, k_BSKH, v_BSKH))
 
 

@@ -104,12 +104,15 @@ def test_closed_form_traffic_matches_the_compiled_program(family, strategy, mesh
 
 
 def test_plan_answers_a_128k_sequence_on_64_devices():
-    """Attention's activations at 128k tokens fit only with the sequence split over context."""
+    """With flash attention nothing is S x S, but a 128k-token sequence's activations still fit
+    only where each device holds a slice of them: the sequence split over context, or every
+    layer's matmuls split 8 ways over tensor; the sequence split is the fastest."""
     result = plan(models.llama, size="8b-128k", target="h100:8x8", seq=131072, batch=8, aot=0)
     best = result.ranked[0]
     assert best.fits and best.layout.sizes["context"] > 1
     assert best.layout.strategy in ("cp", "fsdp_cp")
-    assert all(x.layout.sizes["context"] > 1 for x in result.ranked if x.fits)
+    assert all(x.layout.sizes["context"] > 1 or x.layout.sizes["tensor"] == 8
+               for x in result.ranked if x.fits)  # fmt: skip
 
 
 def test_plan_answers_a_mixtral_sized_model_on_64_devices():

@@ -23,7 +23,7 @@ from sharding.context._layout import (
     to_zigzag,
     zigzag_positions,
 )
-from sharding.context._setup import DEFAULT_METHOD, check_method, context_kernels
+from sharding.context._setup import DEFAULT_METHOD, check_method, context_kernels, seam_calls
 from sharding.context._traffic import ContextTraffic, context_traffic
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "from_zigzag",
     "positions_kernel",
     "ring_attention",
+    "seam_calls",
     "to_zigzag",
     "ulysses_attention",
     "zigzag_positions",

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sharding.context._blocks import (
+from models.attention import (
     F32,
     backward_block,
     causal_mask,

@@ -113,30 +113,39 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
     tokens = rows * s.local_seq  # per device: the sequence is split over context
 
     def layer_fwd(tokens: int, layers: float, part: str = "all") -> float:
-        per = {"all": 2 * layer_mm / cfg.n_layers + attn, "mm": 2 * layer_mm / cfg.n_layers}
+        per = {"all": 2 * layer_mm / cfg.n_layers + attn, "mm": 2 * layer_mm / cfg.n_layers,
+               "attn": attn}  # fmt: skip
         return tokens * layers * per[part] / t
+
+    def layer_bwd(tokens: int, layers: float) -> float:
+        """Every matmul's two gradients, the attention's products by its kernel."""
+        mm = layer_fwd(tokens, layers, "mm")
+        return 2 * mm + s.attention_backward * layer_fwd(tokens, layers, "attn")
 
     head = 6 * tokens * head_mm / t
     extra = s.remat == "full"
     if s.schedule is None:
-        total = layer_fwd(tokens, cfg.n_layers) * (3 + extra) + head
+        fwd = layer_fwd(tokens, cfg.n_layers)
+        total = fwd * (1 + extra) + layer_bwd(tokens, cfg.n_layers) + head
         return total, total, None
     sched = s.schedule
     m, chunk = sched.microbatches, cfg.n_layers / p / sched.repeats
-    stage = layer_fwd(tokens // m, chunk)
+    stage, stage_bwd = layer_fwd(tokens // m, chunk), layer_bwd(tokens // m, chunk)
     if not sched.explicit:
         # gpipe/circular: every tick runs (bubble ticks on zeros); remat full recomputes each
         # layer once in backward, none and dots recompute no matmul. The head follows the
         # stack on 1/p of the rows per stage where they divide (no fsdp), else on all of them.
-        total = stage * (3 + extra) * sched.ticks + (head / p if rows_over_stages(s) else head)
+        total = (stage * (1 + extra) + stage_bwd) * sched.ticks + (
+            head / p if rows_over_stages(s) else head
+        )
         return total, total, None
     if sched.splits_backward:
-        # B: the input-gradient chain (each matmul's input gradient, the attention's products
-        # twice; remat full recomputes the forward first); W: each weight's gradient, once.
+        # B: the input-gradient chain (each matmul's input gradient, the attention's backward
+        # products; remat full recomputes the forward first); W: each weight's gradient, once.
         weight = layer_fwd(tokens // m, chunk, "mm")
-        backward = weight + 2 * (stage - weight) + extra * stage
+        backward = stage_bwd - weight + extra * stage
     else:
-        backward, weight = (2 + extra) * stage, 0.0
+        backward, weight = stage_bwd + extra * stage, 0.0
     # zb-h1 leaves the head's weight gradient (a third of its work) to the last stage's W.
     head_w = head / 3 if sched.splits_backward else 0.0
     lanes = Lanes(stage, backward, weight, (head - head_w) / m, head_w / m)

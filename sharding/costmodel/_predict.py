@@ -8,8 +8,9 @@ Collectives are in `sharding.costmodel._traffic`; tests/test_costmodel.py holds 
 against compiled programs.
 
 Memory beyond the train state is an estimate: activations saved for backward (per token per
-layer: 6 d_model-wide tensors, 2.4x the column-parallel matmul outputs, attention scores and
-probabilities in float32; coefficients measured on XLA:CPU's buffer assignment for llama 7b
+layer: 6 d_model-wide tensors, 2.4x the column-parallel matmul outputs, and attention's
+float32 log-sum-exp per head under a flash kernel, or its scores and probabilities under the
+materialising reference; coefficients measured on XLA:CPU's buffer assignment for llama 7b
 blocks), one layer's backward transients, FSDP-gathered layer weights, and the float32 logits.
 """
 
@@ -173,10 +174,11 @@ def _layer_activations(s: Setup, tokens: int) -> float:
     per_token = s.act_bytes * (
         SAVED_MODEL_WIDTHS * s.cfg.d_model + SAVED_COLUMN_OUTPUTS * _column_width(s)
     )
-    # Scores and probabilities against every key; ring attention keeps none (its backward
-    # recomputes them block by block from the saved log-sum-exp).
-    ring = s.sizes["context"] > 1 and s.context_method == "ring"
-    return tokens * (per_token + (0 if ring else SAVED_SCORE_COPIES * 4 * heads * s.seq))
+    # The reference kernel keeps scores and probabilities against every key; a flash kernel
+    # (blockwise, cuDNN, splash, ring) keeps only the float32 log-sum-exp per head and
+    # recomputes the rest block by block in the backward.
+    attention = 4 * heads * (1 if s.flash else SAVED_SCORE_COPIES * s.seq)
+    return tokens * (per_token + attention)
 
 
 def predict(
@@ -192,6 +194,7 @@ def predict(
     optimizer: str = "adamw",
     remat: str = "none",
     context_method: str = "ring",
+    attention: str = "auto",
 ) -> Prediction:
     """Predict one training step's per-device costs, without devices or compilation.
 
@@ -206,6 +209,9 @@ def predict(
         optimizer: "adamw", "adam" or "sgd" (state bytes).
         remat: "none" or "full" (each layer recomputed in backward).
         context_method: attention over a ``context`` axis: "ring", "allgather", "ulysses".
+        attention: the attention kernel (`models.attention.KINDS`): "xla" materialises the
+            scores (memory and FLOPs of the whole square); the others are flash-style (causal
+            blocks skipped, the backward recomputing, no score matrix kept).
 
     Example:
         >>> pred = predict(models.llama, "70b", "fsdp_tp", {"fsdp": 64, "tensor": 8}, 512, 4096,
@@ -217,7 +223,7 @@ def predict(
             f"unknown optimizer {optimizer!r}; choose one of {list(OPTIMIZER_MOMENTS)}"
         )
     s = setup(family, cfg, strategy, mesh_sizes, batch, seq, pipeline=pipeline, dtype=dtype,
-              remat=remat, context_method=context_method)  # fmt: skip
+              remat=remat, context_method=context_method, attention=attention)  # fmt: skip
     sz, cfg = s.sizes, s.cfg
     rows, seq = s.rows, s.local_seq  # per device: the sequence is split over context
     # float32 master weights, one shard per device

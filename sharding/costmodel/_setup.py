@@ -11,6 +11,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+from models.attention import BLOCK, check_kind, live_fraction
 from partition_rules import PIPELINE_STRATEGIES, preset
 from sharding._errors import SpmdkitError
 from sharding._init import abstract_params
@@ -43,6 +44,7 @@ class Setup:
     schedule: Schedule | None
     remat: str
     context_method: str = "ring"
+    attention: str = "auto"
 
     @property
     def rows(self) -> int:
@@ -55,14 +57,34 @@ class Setup:
         return self.seq // self.sizes["context"]
 
     @property
+    def flash(self) -> bool:
+        """Whether attention runs flash-style (blockwise, cuDNN, splash, ring): no score matrix
+        kept, the backward recomputing each block's probabilities."""
+        if self.sizes["context"] > 1 and self.context_method != "ulysses":
+            return True
+        # "auto" on one block is the reference (`models.attention.choose`); on a GPU cuDNN's
+        # flash kernel would keep a little less than that one block's scores.
+        return self.attention != "xla" and (self.attention != "auto" or self.seq > BLOCK)
+
+    @property
     def attention_keys(self) -> float:
-        """Keys each local query is scored against, in FLOPs terms: the whole sequence, but
-        ring attention skips the fully masked half-blocks of the zigzag layout (step 0 is a
-        whole masked block, each of the c - 1 others half of one)."""
+        """Keys each local query is scored against, in FLOPs terms: ring attention skips the
+        fully masked half-blocks of the zigzag layout (step 0 is a whole masked block, each of
+        the c - 1 others half of one); all-gather attention scores every key (its zigzag mask
+        leaves no block wholly masked); a flash kernel on the whole sequence skips the key
+        blocks above the diagonal (`models.attention.live_fraction`); the reference all keys."""
         c = self.sizes["context"]
         if c > 1 and self.context_method == "ring":
             return self.local_seq * (c + 1) / 2
-        return self.seq
+        if (c > 1 and self.context_method == "allgather") or not self.flash:
+            return self.seq
+        return self.seq * live_fraction(self.seq)
+
+    @property
+    def attention_backward(self) -> float:
+        """The attention backward's products per forward product: 4 against 2 (dP, dS.K,
+        dS.Q, P.dO) with the probabilities kept; flash kernels recompute the scores first (5)."""
+        return 2.5 if self.flash else 2.0
 
     @property
     def expert_share(self) -> float:
@@ -101,6 +123,7 @@ def setup(
     dtype: str = "float32",
     remat: str = "none",
     context_method: str = "ring",
+    attention: str = "auto",
 ) -> Setup:
     """Validate the arguments and place the parameters; see `predict`."""
     if isinstance(family, str):
@@ -156,7 +179,8 @@ def setup(
         schedule = check_pipeline(PipelineSpec(*args), mesh, cfg.n_layers, batch)
     placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
     return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
-                 classify(placements, sizes), schedule, remat, context_method)  # fmt: skip
+                 classify(placements, sizes), schedule, remat, context_method,
+                 check_kind(attention))  # fmt: skip
 
 
 __all__ = ["DTYPE_BYTES", "LM_FAMILIES", "CostModelError", "Setup", "setup"]
