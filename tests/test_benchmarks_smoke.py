@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from benchmarks import (
+    attention_memory,
     compile_time,
     context_memory,
     mfu,
@@ -241,3 +242,16 @@ def test_context_memory_compiles_each_method_and_refuses_bad_lengths(tmp_path):
     assert at[128, "ring"]["temp"] < at[128, "allgather"]["temp"] < at[128, "none"]["temp"]
     with pytest.raises(context_memory.GridError, match=r"seq=96 needs context=seq/--per-device"):
         context_memory.points([96], 64, 8, 4)
+
+
+def test_attention_memory_compiles_each_kernel_and_writes_the_table(tmp_path):
+    """Tiny widths, one layer, 64 and 128 tokens: a row per (seq, kernel), the JSON and PNG."""
+    import json
+
+    argv = ["--seqs", "64,128", "--size", "tiny", "--layers", "1", "--out", str(tmp_path)]
+    assert attention_memory.main(argv) == 0
+    record = json.loads((tmp_path / "attention_memory.json").read_text())
+    assert (tmp_path / "attention_memory.png").stat().st_size > 0
+    assert {(r["seq"], r["kernel"]) for r in record["rows"]} == {
+        (64, "blockwise"), (64, "xla"), (128, "blockwise"), (128, "xla")}  # fmt: skip
+    assert record["claim"]["holds"] is None  # 2048 and 8192 were not asked for
