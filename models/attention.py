@@ -195,6 +195,12 @@ def check_runs_here(kind: str) -> None:
         )
 
 
+def runs_here(kind: str) -> bool:
+    """Whether this host's backend can run the kernel ``kind`` ("auto" always can)."""
+    check_kind(kind)
+    return {"cudnn": "gpu", "splash": "tpu"}.get(kind, _platform()) == _platform()
+
+
 KERNEL = {
     "blockwise": blockwise_attention,
     "xla": xla_attention,
@@ -236,6 +242,7 @@ __all__ = [
     "kernel",
     "live_fraction",
     "masked_attention",
+    "runs_here",
     "scores",
     "splash_attention",
     "xla_attention",

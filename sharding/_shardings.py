@@ -32,13 +32,22 @@ class AccumulationError(StepConfigError):
 
 
 def remat_wrapper(policy: str) -> Callable | None:
-    """The per-layer wrapper for a remat policy name: none, full, or dots (save matmul outputs)."""
+    """The per-layer wrapper for a remat policy name: none, full, or dots.
+
+    dots saves the outputs of the matmuls against weights (dot products without batch
+    dimensions: projections, MLP) and recomputes the rest, attention's products included, as
+    MaxText's ``dots_with_no_batch_dims_saveable``: saving attention's score products would keep
+    ``S x S`` per head (the reference kernel) or every block pair's scores stacked by a flash
+    kernel's scan.
+    """
     if policy == "none":
         return None
     if policy == "full":
         return jax.checkpoint
     if policy == "dots":
-        return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
+        return functools.partial(
+            jax.checkpoint, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        )
     raise StepConfigError(f"unknown remat policy {policy!r}; choose one of {REMAT_POLICIES}")
 
 

@@ -232,7 +232,8 @@ def test_pipeline_needs_a_stage_axis():
 @pytest.mark.parametrize("remat", ["none", "dots", "full"])
 def test_gpipe_recomputes_only_what_the_remat_policy_asks(remat):
     """Counted in the compiled HLO: a gpipe tick's backward executes twice its forward's matmul
-    FLOPs without remat (and with dots, which saves matmul outputs); with full remat it also
+    FLOPs without remat; with dots (the matmuls against weights saved) it also recomputes
+    attention's two products (q.k and p.v, batch dimensions: not saved); with full remat it
     recomputes each layer once, per layer (never a checkpoint nested in another), except the
     layer's last matmul (the MLP's down projection), whose output the backward does not need."""
     import sharding
@@ -247,7 +248,8 @@ def test_gpipe_recomputes_only_what_the_remat_policy_asks(remat):
     tokens = 16 // 4 // 4 * SEQ  # one micro-batch on one device
     down = 2 * tokens * CFG.d_ff * CFG.d_model  # a layer's last matmul
     layers = CFG.n_layers // 2
-    recompute = forward - layers * down if remat == "full" else 0
+    attention = 2 * 2 * tokens * SEQ * CFG.n_heads * CFG.head_dim  # q.k and p.v, one layer
+    recompute = {"none": 0, "dots": layers * attention, "full": forward - layers * down}[remat]
     assert back == 2 * forward + recompute
 
 

@@ -140,15 +140,16 @@ def test_1f1b_runs_a_penalty_on_weights_outside_the_stack():
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_toolkit_remat_recomputes_a_plain_loss(remat):
     """The user's loss takes no remat keyword; the policy still reaches every layer: the
-    compiled step recomputes matmuls (more FLOPs than without remat), same numbers."""
+    compiled step recomputes matmuls (more FLOPs than without remat; dots recomputes only
+    attention's products, which have batch dimensions, fewer than full), same numbers."""
     work = um.transformer("stacked")
     base = program(work, "dp", "data=8").report().matmul_flops
     prog = program(work, "dp", "data=8", remat=remat)
     flops = prog.report().matmul_flops
-    if remat == "full":
-        assert flops > base
-    else:  # dots saves every matmul output: nothing to recompute
-        assert flops == base
+    full = program(work, "dp", "data=8", remat="full").report().matmul_flops
+    assert base < flops <= full
+    if remat == "dots":
+        assert flops < full
     assert_matches_reference(prog, work, ("decoder", "stacked"))
 
 

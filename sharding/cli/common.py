@@ -10,6 +10,7 @@ from typing import NoReturn
 from rich.console import Console
 
 import models
+from models.attention import KINDS as ATTENTION_KINDS
 from partition_rules import STRATEGIES
 from sharding import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
 from sharding.cli.argtypes import (  # noqa: F401  (re-exported for the commands)
@@ -107,6 +108,15 @@ def add_strategy_args(
         p.add_argument("--context-method", choices=CONTEXT_METHODS,
                        help="attention over a context mesh axis (cp, fsdp_cp): ring, allgather "
                        "or ulysses (when unset: ring)")  # fmt: skip
+        add_attention_arg(p, "the step runs")
+
+
+def add_attention_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """--attention: one meaning in every command, the kernel of `models.attention`."""
+    p.add_argument("--attention", choices=ATTENTION_KINDS,
+                   help=f"attention kernel {what}: auto (cuDNN flash on a GPU, splash on a TPU, "
+                   "else blockwise beyond 512 tokens), blockwise (pure-JAX flash), xla (the "
+                   "whole score matrix), cudnn, splash (when unset: the model's own)")  # fmt: skip
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from sharding.cli.common import (
+    add_attention_arg,
     add_command,
     add_model_args,
     console,
@@ -68,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--remat", help="remat policies to compare, a comma list of none, dots, full "
                    "(when unset: none, and dots / full / accumulation only where memory needs "
                    "them)")  # fmt: skip
+    add_attention_arg(p, "every candidate compiles with (on this host)")
     p.add_argument("--memory", help="memory per device a step may allocate, e.g. 40GB (when "
                    "unset: 90%% of the target's HBM)")  # fmt: skip
     p.add_argument(
@@ -94,21 +96,12 @@ def run(args: argparse.Namespace) -> int:
     with _progress(out) as bars:
         try:
             result = compare(
-                work,
-                target=tgt,
-                batch=args.batch,
-                seq=args.seq,
-                dtype=args.dtype,
-                remat=args.remat,
-                measure=args.measure,
-                profile=args.profile,
-                timed_steps=args.timed_steps,
-                warmup_steps=args.warmup_steps,
-                strategies=args.strategies,
-                mesh=args.mesh,
-                memory_budget=args.memory,
-                on_progress=_Bars(bars),
-            )
+                work, target=tgt, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                remat=args.remat, measure=args.measure, profile=args.profile,
+                timed_steps=args.timed_steps, warmup_steps=args.warmup_steps,
+                strategies=args.strategies, mesh=args.mesh, memory_budget=args.memory,
+                on_progress=_Bars(bars), attention=args.attention,
+            )  # fmt: skip
         except CompareError as e:  # show what was measured before the message
             if getattr(e, "comparison", None) is not None:
                 bars.stop()

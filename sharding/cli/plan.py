@@ -14,6 +14,7 @@ import contextlib
 
 from partition_rules import STRATEGIES
 from sharding.cli.common import (
+    add_attention_arg,
     add_command,
     add_model_args,
     console,
@@ -69,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype")  # fmt: skip
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"),
                    help="optimizer whose state is counted")  # fmt: skip
+    add_attention_arg(p, "priced (xla: the score matrix kept; the others flash-style)")
     p.add_argument("--top", type=positive_int, default=12, help="rows to show")
     p.add_argument("--aot", type=non_negative_int,
                    help=f"compile this many top layouts for the target beside their formula "
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         top=args.top,
         aot=args.aot,
+        attention=args.attention,
     )
     if args.json:
         print(result.to_json())

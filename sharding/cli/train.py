@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--strategy cp --mesh data=2,context=4 --seq 1024 --context-method ring",
     ])  # fmt: skip
     add_model_args(p)
-    add_strategy_args(p, context=True)
+    add_strategy_args(p, context=True)  # and --attention
     add_pipeline_args(p)
     add_distributed_args(p)
     add_devices_arg(p)
@@ -137,13 +137,9 @@ def _progress(out):
     import rich.progress as rp
 
     return rp.Progress(
-        rp.TextColumn("[bold]train"),
-        rp.BarColumn(),
-        rp.MofNCompleteColumn(),
+        rp.TextColumn("[bold]train"), rp.BarColumn(), rp.MofNCompleteColumn(),
         rp.TextColumn("loss {task.fields[loss]:.4f}"),
         rp.TextColumn("{task.fields[tps]:,.0f} tok/s"),
         rp.TextColumn("{task.fields[ms]:.1f} ms/step"),
-        rp.TimeRemainingColumn(),
-        console=out,
-        transient=False,
-    )
+        rp.TimeRemainingColumn(), console=out, transient=False,
+    )  # fmt: skip

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from models.attention import check_runs_here
 from sharding._devices import cpu_only
 from sharding._mesh import MeshSpec, simulate_cpu_devices
 from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
@@ -70,6 +71,7 @@ def compare(
     warmup_steps: int = 1,
     profile: str | os.PathLike | None = None,
     on_progress: Progress | None = None,
+    attention: str | None = None,
 ) -> Comparison:
     """Which strategy for ``model`` on ``target``: `spmdkit compare`.
 
@@ -95,6 +97,11 @@ def compare(
         profile: a folder: each measured candidate's timed steps are traced with
             `jax.profiler` into ``profile/<candidate>`` (implies ``measure``).
         on_progress: ``(task, done, total, note)`` as candidates compile and run.
+        attention: the attention kernel every candidate compiles with (`models.attention`:
+            "auto", "blockwise", "xla", "cudnn", "splash"); None: the model's own (for the
+            shipped models "auto": blockwise on a CPU host beyond one block of 512 tokens, so
+            the programs priced for a GPU hold what its flash kernel holds). A kernel this host
+            cannot compile is refused before anything compiles.
 
     Raises:
         CompareArgumentError (before anything compiles), `NothingMeasuredError` /
@@ -107,6 +114,8 @@ def compare(
     """
     work = _workload(model, size, cfg)
     seq = _check(work, batch, seq, timed_steps, warmup_steps)
+    if attention is not None:
+        check_runs_here(attention)
     if profile is not None:
         if measure is False:
             raise CompareArgumentError(
@@ -141,7 +150,7 @@ def compare(
         )
     progress = on_progress or (lambda *a: None)
     real = devices[0].platform != "cpu"
-    settings = Settings(batch, seq)
+    settings = Settings(batch, seq, attention=attention)
     started = time.perf_counter()
     progress(REFERENCE_TASK, 0, 1, None)
     useful, unsplit = reference_flops(work, settings, dtypes[0])

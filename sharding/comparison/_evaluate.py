@@ -34,11 +34,13 @@ __all__ = ["Candidate", "Settings", "evaluate", "measure_here", "reference_flops
 
 @dataclass(frozen=True)
 class Settings:
-    """What every candidate shares: the global batch and the optimizer's learning rate."""
+    """What every candidate shares: the global batch, the optimizer's learning rate and the
+    attention kernel (`models.attention.KINDS`; None: the model's own)."""
 
     batch: int
     seq: int | None
     lr: float = 1e-3
+    attention: str | None = None
 
 
 @dataclass
@@ -123,7 +125,8 @@ def build(
     """The `TrainProgram` of one candidate (AdamW), compiled on first use."""
     return layout.program(work, batch=settings.batch, seq=settings.seq,
                           optimizer=optax.adamw(settings.lr), dtype=dtype, remat=remat,
-                          accum_steps=accum, devices=devices)  # fmt: skip
+                          accum_steps=accum, devices=devices,
+                          attention=settings.attention)  # fmt: skip
 
 
 def reference_flops(work: Workload, settings: Settings, dtype: str) -> tuple[float, int]:

@@ -11,6 +11,7 @@ compare and plan. `candidates` ranks every layout of a family on a target from t
 `plan` does all of it for `spmdkit plan`. Every error is a `CostModelError`.
 """
 
+from sharding.costmodel._check import check_candidate
 from sharding.costmodel._layouts import (
     DEFAULT,
     EXPERT_STRATEGIES,
@@ -33,7 +34,6 @@ from sharding.costmodel._search import (
     NoFittingStrategyError,
     NoValidLayoutError,
     candidates,
-    check_candidate,
     compiled_candidates,
     few_layouts,
     memory_budget,

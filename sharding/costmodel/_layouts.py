@@ -90,6 +90,7 @@ class Layout:
         remat: str = "none",
         accum_steps: int = 1,
         devices: list | None = None,
+        attention: str | None = None,
     ) -> Any:
         """The `TrainProgram` of this layout on ``devices`` (default: all), by the one recipe
         `sharding.build_program` (the workload's rules under this strategy).
@@ -109,7 +110,7 @@ class Layout:
             workload, self.strategy, self.mesh, batch=batch, seq=seq, optimizer=optimizer,
             compute_dtype=dtype, remat=remat, accum_steps=accum_steps, schedule=self.schedule,
             microbatches=self.microbatches, repeats=self.repeats if piped else None,
-            stage_layers=balanced, devices=devices,
+            stage_layers=balanced, devices=devices, attention=attention,
         )  # fmt: skip
 
 

@@ -9,28 +9,23 @@ side by side. Any other workload is ranked from compiled programs of a few layou
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
-
-from sharding._units import SizeFormatError, fmt_bytes, fmt_count, parse_bytes
+from models.attention import check_kind, check_runs_here, runs_here
+from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
 from sharding._workload import Workload
+from sharding.costmodel._check import check_top, devices_here
 from sharding.costmodel._layouts import strategy_names
+from sharding.costmodel._planview import PlanResult
 from sharding.costmodel._predict import OPTIMIZER_MOMENTS
 from sharding.costmodel._search import (
     MAX_COMPILES,
     Estimate,
     candidates,
-    check_top,
     compiled_candidates,
-    devices_here,
     memory_budget,
 )
 from sharding.costmodel._setup import DTYPE_BYTES, LM_FAMILIES, CostModelError
@@ -48,140 +43,6 @@ class PlanError(CostModelError):
     """An argument of `plan` it cannot take."""
 
 
-@dataclass
-class PlanResult:
-    """The ranked layouts of one `plan` call, with what the ranking assumed.
-
-    ``ranked`` holds every layout (fitting ones first, by predicted step time on the target);
-    ``shown`` the first ``top`` of them, which `table`, `to_dict` and `to_json` report; every
-    layout compiled for the target carries a `Check` (``checked``).
-    """
-
-    model: str
-    size: str
-    layers: int | None
-    target: Target
-    memory_bytes: int
-    batch: int
-    seq: int | None
-    dtype: str
-    optimizer: str
-    source: str  # "formula" or "compiled program"
-    search_s: float
-    ranked: list[Estimate]
-    top: int
-    assumptions: list[str]
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def devices(self) -> int:
-        return self.target.devices
-
-    @property
-    def shown(self) -> list[Estimate]:
-        return self.ranked[: self.top]
-
-    @property
-    def checked(self) -> list[tuple[int, Estimate]]:
-        """(rank from 1, estimate) of every layout compiled beside its formula."""
-        return [(i, c) for i, c in enumerate(self.ranked, 1) if c.check is not None]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model, "size": self.size, "layers": self.layers,
-            "target": self.target.to_dict(), "devices": self.devices,
-            "memory_bytes": self.memory_bytes, "batch": self.batch, "seq": self.seq,
-            "dtype": self.dtype, "optimizer": self.optimizer, "source": self.source,
-            "search_s": self.search_s, "assumptions": self.assumptions + self.notes,
-            "candidates": [c.to_dict() for c in self.shown],
-            "checked": [{"rank": i, "label": c.label, "mesh": c.mesh_text, "remat": c.remat,
-                         **c.check.to_dict()} for i, c in self.checked],
-        }  # fmt: skip
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    def table(self) -> Group:
-        """The ranking, the formula-vs-compiled checks, then the assumptions behind them (dim)."""
-        shown, unit = self.shown, self.ranked[0].predicted.unit
-        name = " ".join(filter(None, (self.model, self.size)))
-        layers = f" ({self.layers} layers)" if self.layers else ""
-        seq = f" x seq {self.seq}" if self.seq else ""
-        table = Table(
-            title=f"{name}{layers} on {self.target.name} ({self.devices} "
-            f"devices, {fmt_bytes(self.memory_bytes)} each usable): batch {self.batch}{seq}, "
-            f"{self.dtype}; {sum(c.fits for c in shown)} of the top {len(shown)} fit; priced "
-            f"from the {self.source} (searched in {self.search_s:.1f} s)",
-            title_justify="left",
-        )
-        for col in ("#", "layout", "mesh", "memory/device", "fits", "comm/step", "step",
-                    "compute", "exposed comm", "bubble", f"{unit}/s/device", "MFU"):  # fmt: skip
-            left = col in ("layout", "mesh")
-            table.add_column(col, justify="left" if left else "right", no_wrap=left)
-        warned = []
-        for i, c in enumerate(shown, 1):
-            p = c.predicted
-            warned += [w for w in p.warnings if w not in warned]
-            table.add_row(
-                str(i), _label(c), c.mesh_text + (" !" if p.warnings else ""),
-                fmt_bytes(c.memory_bytes), "[green]yes[/green]" if c.fits else "[red]no[/red]",
-                fmt_bytes(c.collective_bytes), _t(p.step_s), _t(p.compute_s),
-                _t(p.exposed_comm_s), _t(p.bubble_s), fmt_count(p.throughput_per_device),
-                "-" if p.mfu is None else f"{p.mfu:.1%}",
-            )  # fmt: skip
-        parts: list[Any] = [table]
-        if self.checked:
-            parts.append(self._check_table())
-        lines = [f"! {w}" for w in warned] + self.assumptions + self.notes
-        return Group(*parts, *(Text(f"- {line}", style="dim") for line in lines))
-
-    def _check_table(self) -> Table:
-        dtypes = sorted({c.check.dtype for _, c in self.checked})
-        table = Table(
-            title=f"formula vs compiled program for the top layouts, both priced on "
-            f"{self.target.name} at {', '.join(dtypes)}",
-            title_justify="left",
-        )
-        for col in ("#", "layout", "per device per step", "formula", "compiled", "error"):
-            left = col in ("layout", "per device per step")
-            table.add_column(col, justify="left" if left else "right", no_wrap=left)
-        for i, c in self.checked:
-            pairs, err = c.check.pairs(), c.check.errors()
-            head = [str(i), f"{_label(c)} {c.mesh_text}"]
-            for key, what, fmt in _CHECKED:
-                f, m = pairs[key]
-                e = err[key]
-                table.add_row(*head, what, fmt(f), "-" if m is None else fmt(m),
-                              "-" if e is None else f"{e:+.1%}")  # fmt: skip
-                head = ["", ""]
-            table.add_row("", "", "compile time", "", f"{c.check.compiled.compile_time_s:.1f} s",
-                          "", end_section=True)  # fmt: skip
-        return table
-
-
-def _label(c: Estimate) -> str:
-    return c.label + (f" remat={c.remat}" if c.remat != "none" else "")
-
-
-def _t(seconds: float) -> str:
-    """Seconds in the unit that suits them: us, ms or s, three significant digits."""
-    if seconds == 0:
-        return "0"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.3g} us"
-    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
-
-
-# The figures the check table shows, formula beside compiled: (Check.pairs key, name, format).
-_CHECKED = (
-    ("step_s", "step time", _t), ("compute_s", "  compute", _t),
-    ("exposed_comm_s", "  exposed communication", _t), ("bubble_s", "  bubble", _t),
-    ("collective_bytes", "collective bytes", fmt_bytes),
-    ("matmul_flops", "matmul FLOPs (critical path)", fmt_count),
-    ("memory_bytes", "memory", fmt_bytes),
-)  # fmt: skip
-
-
 def plan(
     model: Any,
     *,
@@ -197,6 +58,7 @@ def plan(
     optimizer: str = "adamw",
     top: int = 12,
     aot: int | None = None,
+    attention: str | None = None,
 ) -> PlanResult:
     """Rank every (strategy, mesh, schedule, remat) layout of a model on a target cluster.
 
@@ -221,6 +83,10 @@ def plan(
             note, when this process holds another device count). On a CPU host a bfloat16
             plan is checked at float32 (XLA:CPU carries bfloat16 collectives in float32).
             Simulating CPU devices fixes this process's device count.
+        attention: the attention kernel (`models.attention.KINDS`, default "auto"): the closed
+            form prices "xla" as the materialising reference and the others flash-style (causal
+            blocks skipped, backward recompute, no score matrix); a compile runs the kernel
+            where this host can, else blockwise (said in the notes).
 
     Raises:
         PlanError: an argument out of range; `NoFittingStrategyError`, `NoValidLayoutError` from
@@ -243,17 +109,28 @@ def plan(
     if optimizer not in OPTIMIZER_MOMENTS:
         raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_MOMENTS)}")
     work = _workload(model, size, cfg, layers)
+    kind = check_kind(attention or "auto")
     # Checked now; None stays None so that the layouts add what the model calls for (`called_for`).
     strategies = None if strategies is None else strategy_names(strategies)
     budget = memory_budget(tgt, None if memory is None else _memory(memory))
     batch = batch or tgt.devices
     name = getattr(work.family, "NAME", None)
     if name in LM_FAMILIES:
-        return _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot)
-    return _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot)
+        return _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
+                            kind)  # fmt: skip
+    check_runs_here(kind)  # priced from programs compiled here
+    return _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
+                     attention)  # fmt: skip
 
 
-def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot):
+ATTENTION_NOTE = {
+    "xla": "the whole score matrix kept",
+    "flash": "flash-style: causal blocks skipped, the backward recomputing each block, no "
+    "score matrix kept",
+}
+
+
+def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, kind):
     family, cfg = work.family, work.config
     if seq is not None and seq > cfg.max_seq_len:
         raise PlanError(
@@ -265,8 +142,8 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
     have = devices_here(tgt.devices) if aot and tgt.devices <= MAX_AOT_DEVICES else None
     start = time.perf_counter()
     ranked = candidates(family, cfg, tgt, batch, seq, strategies=strategies and tuple(strategies),
-                        dtype=dtype,
-                        optimizer=optimizer, memory_bytes=budget)  # fmt: skip
+                        dtype=dtype, optimizer=optimizer, memory_bytes=budget,
+                        attention=kind)  # fmt: skip
     elapsed = time.perf_counter() - start
     notes = []
     if aot and tgt.devices > MAX_AOT_DEVICES:
@@ -276,11 +153,15 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
         notes.append(f"AOT skipped: {have} devices here, not {tgt.devices}")
     elif aot:
         notes += check_top(ranked, work, tgt, aot, optimizer)
+        if not runs_here(kind):
+            notes.append(f"compiled with attention='blockwise' on this host, which cannot run "
+                         f"{kind!r}; the formula beside it is re-run for blockwise")  # fmt: skip
     assumptions = [
         *_top_assumptions(ranked),
         f"Memory: params + gradients + optimizer state + batch + saved activations + one "
         f"layer's backward transients + gathered layer weights + float32 logits, against "
         f"{fmt_bytes(budget)} per device; float32 master weights, {dtype} compute, {optimizer}.",
+        f"Attention: {kind!r} ({ATTENTION_NOTE['xla' if kind == 'xla' else 'flash']}).",
         f"Searched every factorisation of the {tgt.devices} devices each strategy can use, "
         f"pipelines under gpipe, 1f1b, zb-h1 and interleaved, remat none and full.",
     ]
@@ -288,7 +169,7 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
                       optimizer, "formula", elapsed, ranked, top, assumptions, notes)  # fmt: skip
 
 
-def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot):
+def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, attention):
     if aot == 0:
         raise PlanError(
             f"--aot 0: {work.name} has no closed-form costs, so plan prices it from compiled "
@@ -313,7 +194,8 @@ def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, 
         )
     start = time.perf_counter()
     ranked, notes = compiled_candidates(work, tgt, batch, seq, strategies=strategies and tuple(strategies),
-                                        dtype=dtype, memory_bytes=budget, limit=MAX_COMPILES)  # fmt: skip
+                                        dtype=dtype, memory_bytes=budget, limit=MAX_COMPILES,
+                                        attention=attention)  # fmt: skip
     elapsed = time.perf_counter() - start
     if optimizer != "adamw":
         notes.append(f"compiled steps use AdamW (compare's path), not {optimizer}")

@@ -70,6 +70,7 @@ class Prediction:
     critical_flops: float
     bubble_fraction: float
     notes: list[str] = field(default_factory=list)
+    attention: str = "auto"
 
     def collective_bytes(self, kind: str | None = None, axes: str | tuple | None = None) -> int:
         """Bytes per device per step, of ``kind`` and over exactly ``axes`` if given."""
@@ -293,6 +294,7 @@ def predict(
         critical_flops=critical,
         bubble_fraction=0.0 if sched is None else sched.bubble_fraction,
         notes=notes,
+        attention=attention,
     )
 
 

@@ -17,14 +17,11 @@ by side (`Check`): how far the formula is from the program XLA really builds.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sharding._devices import cpu_only
 from sharding._errors import SpmdkitError
-from sharding._mesh import simulate_cpu_devices
 from sharding._resolve import RuleError
 from sharding._units import fmt_bytes
 from sharding._workload import Workload
@@ -170,6 +167,7 @@ def candidates(
     dtype: str = "bfloat16",
     optimizer: str = "adamw",
     memory_bytes: int | None = None,
+    attention: str = "auto",
 ) -> list[Estimate]:
     """Every valid layout of a language-model family on ``tgt``, from the closed forms: fitting
     ones first by predicted step time, then the rest by memory.
@@ -188,7 +186,8 @@ def candidates(
         cfg = family.config(cfg)
     budget = memory_budget(tgt, memory_bytes)
     # Useful work for MFU, the same for every layout: the unsplit step without recompute.
-    useful = predict(family, cfg, "dp", {}, batch, seq, dtype=dtype, optimizer=optimizer)
+    useful = predict(family, cfg, "dp", {}, batch, seq, dtype=dtype, optimizer=optimizer,
+                     attention=attention)  # fmt: skip
     out: list[Estimate] = []
     extra = called_for(Workload.from_family(family, cfg), seq)  # long sequence, experts
     for layout in layouts(tgt.devices, cfg.n_layers, strategies=strategies, search=True,
@@ -197,7 +196,7 @@ def candidates(
             try:
                 pred = predict(family, cfg, layout.strategy, layout.sizes, batch, seq,
                                pipeline=layout.pipeline(), dtype=dtype, optimizer=optimizer,
-                               remat=remat)  # fmt: skip
+                               remat=remat, attention=attention)  # fmt: skip
             except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
                 continue
             st = step_time(work_from_prediction(pred, model_flops=useful.matmul_flops), tgt)
@@ -270,6 +269,7 @@ def compiled_candidates(
     dtype: str = "bfloat16",
     memory_bytes: int | None = None,
     limit: int = MAX_COMPILES,
+    attention: str | None = None,
 ) -> tuple[list[Estimate], list[str]]:
     """A few layouts of any `sharding.Workload` (`few_layouts`), each compiled for ``tgt`` from
     abstract shapes on this process's devices and priced from its program; ranked as
@@ -295,7 +295,8 @@ def compiled_candidates(
         chosen = [x for x in chosen if x.schedule is None]
         notes.append("bfloat16 pipelines not compiled: XLA:CPU aborts compiling them (its "
                      "all-reduce promotion); plan them with --dtype float32")  # fmt: skip
-    settings, budget = Settings(batch, seq), memory_budget(tgt, memory_bytes)
+    settings = Settings(batch, seq, attention=attention)
+    budget = memory_budget(tgt, memory_bytes)
     useful = reference_flops(work, settings, dtype)[0]
     out: list[Estimate] = []
     for layout in chosen:
@@ -321,71 +322,6 @@ def compiled_candidates(
                  budget), notes  # fmt: skip
 
 
-def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
-                    dtype: str | None = None) -> Check:  # fmt: skip
-    """Compile a closed-form estimate's layout for ``tgt`` (compare's path) and keep both
-    predictions, at ``dtype`` (default: the estimate's; the formula is re-run at another).
-
-    Needs ``jax.device_count() == tgt.devices``. The compiled step uses AdamW, as compare's.
-    """
-    from sharding.comparison import Settings, evaluate
-
-    tgt, p = target(tgt), estimate.prediction
-    if p is None:
-        raise CostModelError(f"{estimate.label}: no closed-form prediction to check")
-    dtype = dtype or p.dtype
-    family, cfg = work.family, work.config
-    if dtype != p.dtype:
-        p = predict(family, cfg, p.strategy, p.mesh, p.batch, p.seq,
-                    pipeline=estimate.layout.pipeline(), dtype=dtype, optimizer=p.optimizer,
-                    remat=p.remat)  # fmt: skip
-    useful = predict(family, cfg, "dp", {}, p.batch, p.seq, dtype=dtype).matmul_flops
-    sw = work_from_prediction(p, model_flops=useful)
-    cand, _ = evaluate(estimate.layout, work, Settings(p.batch, p.seq), tgt, dtype=dtype,
-                       remat=p.remat, useful_flops=useful)  # fmt: skip
-    rate = tgt.device.peak(dtype) * tgt.device.matmul_fraction
-    estimate.check = Check(dtype, step_time(sw, tgt), sw.matmul_flops, p, cand, rate)
-    return estimate.check
-
-
-def check_top(ranked: list[Estimate], work: Any, tgt: Target, n: int, optimizer: str) -> list[str]:
-    """`check_candidate` on the first ``n`` fitting layouts (each at its best remat policy);
-    notes on how they were checked.
-
-    On a CPU host a bfloat16 plan is checked at float32, formula and compile alike: XLA:CPU
-    carries bfloat16 collectives in float32 (converts around them) and aborts compiling
-    bfloat16 pipelines, so a bfloat16 compile here would not be the program a GPU runs.
-    """
-    import jax
-
-    dtype, notes = ranked[0].prediction.dtype, []
-    if dtype == "bfloat16" and jax.default_backend() == "cpu":
-        dtype = "float32"
-        notes.append("checked at float32 on this CPU host, formula and compile alike: XLA:CPU "
-                     "carries bfloat16 collectives in float32 and aborts compiling bfloat16 "
-                     "pipelines")  # fmt: skip
-    if optimizer != "adamw":
-        notes.append(f"compiled steps use AdamW (compare's path); the formula's memory counts "
-                     f"{optimizer}")  # fmt: skip
-    chosen = {}  # distinct layouts: the same one at the other remat policy teaches less
-    for c in ranked:
-        if c.fits and len(chosen) < n:
-            chosen.setdefault(c.layout, c)
-    for c in chosen.values():
-        check_candidate(c, work, tgt, dtype=dtype)
-    return notes
-
-
-def devices_here(devices: int) -> int:
-    """Simulate ``devices`` CPU devices unless JAX has started; the devices this process has."""
-    if cpu_only():
-        with contextlib.suppress(RuntimeError):  # another count already: the caller says so
-            simulate_cpu_devices(devices)
-    import jax
-
-    return jax.device_count()
-
-
 __all__ = [
     "MAX_COMPILES",
     "Check",
@@ -393,7 +329,6 @@ __all__ = [
     "NoFittingStrategyError",
     "NoValidLayoutError",
     "candidates",
-    "check_candidate",
     "compiled_candidates",
     "few_layouts",
     "memory_budget",

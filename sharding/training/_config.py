@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from models.attention import KINDS as ATTENTION_KINDS
 from partition_rules import STRATEGIES
 from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
@@ -111,6 +112,7 @@ class TrainConfig:
     repeats: int | None = None
     stage_layers: tuple[int, ...] | str | None = None
     context_method: str | None = None
+    attention: str | None = None
     overwrite: bool = False
     profile: str | os.PathLike | None = None
     profile_steps: tuple[int, int] | str | None = None
@@ -209,6 +211,7 @@ class TrainConfig:
             "elastic": (None, *ELASTIC_POLICIES),
             "schedule": (None, *SCHEDULES),
             "context_method": (None, *CONTEXT_METHODS),
+            "attention": (None, *ATTENTION_KINDS),
         }
         for name, known in choices.items():
             v = getattr(self, name)

@@ -174,6 +174,7 @@ def build_train_program(work: Workload, config: TrainConfig, spec: MeshSpec, sta
         repeats=config.repeats,
         stage_layers=config.stage_layers,
         context_method=config.context_method,
+        attention=config.attention,
     )
 
 

@@ -1,0 +1,155 @@
+"""What `plan` returns: the ranked layouts with their assumptions, as a table and JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from sharding._units import fmt_bytes, fmt_count
+from sharding.costmodel._search import (
+    Estimate,
+)
+from sharding.targets import Target
+
+
+# Simulating more CPU devices than this makes an AOT compile too slow to be worth waiting for.
+@dataclass
+class PlanResult:
+    """The ranked layouts of one `plan` call, with what the ranking assumed.
+
+    ``ranked`` holds every layout (fitting ones first, by predicted step time on the target);
+    ``shown`` the first ``top`` of them, which `table`, `to_dict` and `to_json` report; every
+    layout compiled for the target carries a `Check` (``checked``).
+    """
+
+    model: str
+    size: str
+    layers: int | None
+    target: Target
+    memory_bytes: int
+    batch: int
+    seq: int | None
+    dtype: str
+    optimizer: str
+    source: str  # "formula" or "compiled program"
+    search_s: float
+    ranked: list[Estimate]
+    top: int
+    assumptions: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def devices(self) -> int:
+        return self.target.devices
+
+    @property
+    def shown(self) -> list[Estimate]:
+        return self.ranked[: self.top]
+
+    @property
+    def checked(self) -> list[tuple[int, Estimate]]:
+        """(rank from 1, estimate) of every layout compiled beside its formula."""
+        return [(i, c) for i, c in enumerate(self.ranked, 1) if c.check is not None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "size": self.size, "layers": self.layers,
+            "target": self.target.to_dict(), "devices": self.devices,
+            "memory_bytes": self.memory_bytes, "batch": self.batch, "seq": self.seq,
+            "dtype": self.dtype, "optimizer": self.optimizer, "source": self.source,
+            "search_s": self.search_s, "assumptions": self.assumptions + self.notes,
+            "candidates": [c.to_dict() for c in self.shown],
+            "checked": [{"rank": i, "label": c.label, "mesh": c.mesh_text, "remat": c.remat,
+                         **c.check.to_dict()} for i, c in self.checked],
+        }  # fmt: skip
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def table(self) -> Group:
+        """The ranking, the formula-vs-compiled checks, then the assumptions behind them (dim)."""
+        shown, unit = self.shown, self.ranked[0].predicted.unit
+        name = " ".join(filter(None, (self.model, self.size)))
+        layers = f" ({self.layers} layers)" if self.layers else ""
+        seq = f" x seq {self.seq}" if self.seq else ""
+        table = Table(
+            title=f"{name}{layers} on {self.target.name} ({self.devices} "
+            f"devices, {fmt_bytes(self.memory_bytes)} each usable): batch {self.batch}{seq}, "
+            f"{self.dtype}; {sum(c.fits for c in shown)} of the top {len(shown)} fit; priced "
+            f"from the {self.source} (searched in {self.search_s:.1f} s)",
+            title_justify="left",
+        )
+        for col in ("#", "layout", "mesh", "memory/device", "fits", "comm/step", "step",
+                    "compute", "exposed comm", "bubble", f"{unit}/s/device", "MFU"):  # fmt: skip
+            left = col in ("layout", "mesh")
+            table.add_column(col, justify="left" if left else "right", no_wrap=left)
+        warned = []
+        for i, c in enumerate(shown, 1):
+            p = c.predicted
+            warned += [w for w in p.warnings if w not in warned]
+            table.add_row(
+                str(i), _label(c), c.mesh_text + (" !" if p.warnings else ""),
+                fmt_bytes(c.memory_bytes), "[green]yes[/green]" if c.fits else "[red]no[/red]",
+                fmt_bytes(c.collective_bytes), _t(p.step_s), _t(p.compute_s),
+                _t(p.exposed_comm_s), _t(p.bubble_s), fmt_count(p.throughput_per_device),
+                "-" if p.mfu is None else f"{p.mfu:.1%}",
+            )  # fmt: skip
+        parts: list[Any] = [table]
+        if self.checked:
+            parts.append(self._check_table())
+        lines = [f"! {w}" for w in warned] + self.assumptions + self.notes
+        return Group(*parts, *(Text(f"- {line}", style="dim") for line in lines))
+
+    def _check_table(self) -> Table:
+        dtypes = sorted({c.check.dtype for _, c in self.checked})
+        table = Table(
+            title=f"formula vs compiled program for the top layouts, both priced on "
+            f"{self.target.name} at {', '.join(dtypes)}",
+            title_justify="left",
+        )
+        for col in ("#", "layout", "per device per step", "formula", "compiled", "error"):
+            left = col in ("layout", "per device per step")
+            table.add_column(col, justify="left" if left else "right", no_wrap=left)
+        for i, c in self.checked:
+            pairs, err = c.check.pairs(), c.check.errors()
+            head = [str(i), f"{_label(c)} {c.mesh_text}"]
+            for key, what, fmt in _CHECKED:
+                f, m = pairs[key]
+                e = err[key]
+                table.add_row(*head, what, fmt(f), "-" if m is None else fmt(m),
+                              "-" if e is None else f"{e:+.1%}")  # fmt: skip
+                head = ["", ""]
+            table.add_row("", "", "compile time", "", f"{c.check.compiled.compile_time_s:.1f} s",
+                          "", end_section=True)  # fmt: skip
+        return table
+
+
+def _label(c: Estimate) -> str:
+    return c.label + (f" remat={c.remat}" if c.remat != "none" else "")
+
+
+def _t(seconds: float) -> str:
+    """Seconds in the unit that suits them: us, ms or s, three significant digits."""
+    if seconds == 0:
+        return "0"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+# The figures the check table shows, formula beside compiled: (Check.pairs key, name, format).
+_CHECKED = (
+    ("step_s", "step time", _t), ("compute_s", "  compute", _t),
+    ("exposed_comm_s", "  exposed communication", _t), ("bubble_s", "  bubble", _t),
+    ("collective_bytes", "collective bytes", fmt_bytes),
+    ("matmul_flops", "matmul FLOPs (critical path)", fmt_count),
+    ("memory_bytes", "memory", fmt_bytes),
+)  # fmt: skip
+
+
+__all__ = ["PlanResult"]
