@@ -126,6 +126,19 @@ def test_blockwise_memory_is_linear_in_the_sequence():
     assert temp_bytes("xla", 4096) >= 12 * temp_bytes("xla", 1024)
 
 
+def test_splash_in_the_pallas_interpreter_equals_the_reference():
+    """The TPU kernel's wrapper (grouped heads, scaling, layout) checked on this host by running
+    the Pallas kernel in its interpreter: forward and every gradient."""
+    kq, kk, kv, kw = jax.random.split(jax.random.key(5), 4)
+    q, w = jax.random.normal(kq, (1, 128, 4, 128)), jax.random.normal(kw, (1, 128, 4, 128))
+    k, v = jax.random.normal(kk, (1, 128, 2, 128)), jax.random.normal(kv, (1, 128, 2, 128))
+
+    def splash(q, k, v):
+        return attention.splash_attention(q, k, v, interpret=True)
+
+    assert_close(out_and_grads(splash, q, k, v, w), out_and_grads(xla_attention, q, k, v, w))
+
+
 def test_auto_is_blockwise_on_cpu_beyond_one_block():
     def shapes(s):
         return jax.ShapeDtypeStruct((1, s, 8, 64), jnp.float32)
