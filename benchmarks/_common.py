@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["median_time", "out_dir", "parser", "setup", "write_json"]
+__all__ = ["finish_claim", "median_time", "out_dir", "parser", "setup", "write_json"]
 
 
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
@@ -55,3 +55,21 @@ def median_time(fn: Callable[[], Any], steps: int) -> tuple[float, list[float]]:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), times
+
+
+def finish_claim(name: str, args: Any, rows: list, claim: dict, started: float, console: Any,
+                 plot: Callable[[Path], Any]) -> int:  # fmt: skip
+    """The end of a benchmark that checks one claim: print the verdict and the time, write
+    ``<out>/<name>.json`` (args, rows, claim) and ``<name>.png``; exit status 1 if it fails."""
+    if claim["holds"] is not None:
+        verdict = "[green]holds[/]" if claim["holds"] else "[red]FAILS[/]"
+        console.print(f"{verdict} {claim['claim']}: ratio {claim['ratio']:.3f}")
+    elapsed = time.perf_counter() - started
+    console.print(f"{len(rows)} programs compiled in {elapsed:.1f} s")
+    out = out_dir(args.out)
+    record = {"benchmark": name, "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "rows": rows, "claim": claim, "elapsed_s": elapsed}  # fmt: skip
+    write_json(out / f"{name}.json", record)
+    plot(out / f"{name}.png")
+    console.print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
+    return 1 if claim["holds"] is False else 0

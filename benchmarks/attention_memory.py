@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks._common import out_dir, parser, setup, write_json
+from benchmarks._common import finish_claim, parser, setup
 
 LINEAR_WITHIN = 4.5  # blockwise's temporaries at 8192 / at 2048 tokens, at most
 CLAIM_SEQS = (2048, 8192)
@@ -124,20 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 status.update(f"compiling seq={seq} attention={k}")
                 rows.append(measure(seq, k, args))
     console.print(table(rows, args))
-    claim = check_claim(rows)
-    if claim["holds"] is not None:
-        verdict = "[green]holds[/]" if claim["holds"] else "[red]FAILS[/]"
-        console.print(f"{verdict} {claim['claim']}: ratio {claim['ratio']:.2f}")
-    elapsed = time.perf_counter() - started
-    console.print(f"{len(rows)} programs compiled in {elapsed:.1f} s")
-    out = out_dir(args.out)
-    record = {"benchmark": "attention_memory",
-              "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
-              "claim": claim, "elapsed_s": elapsed}  # fmt: skip
-    write_json(out / "attention_memory.json", record)
-    plot(rows, out / "attention_memory.png", args)
-    console.print(f"wrote {out / 'attention_memory.json'} and {out / 'attention_memory.png'}")
-    return 1 if claim["holds"] is False else 0
+    return finish_claim("attention_memory", args, rows, check_claim(rows), started, console,
+                        lambda path: plot(rows, path, args))  # fmt: skip
 
 
 if __name__ == "__main__":

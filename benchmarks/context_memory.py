@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks._common import out_dir, parser, setup, write_json
+from benchmarks._common import finish_claim, parser, setup
 
 METHODS = ("none", "ring", "allgather", "ulysses")
 FLAT_WITHIN = 1.25  # the ring's temporaries at the longest / shortest CP sequence, at most
@@ -150,20 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             status.update(f"compiling seq={seq} context={c} {m}")
             rows.append(measure(seq, c, m, args))
     console.print(table(rows, args))
-    claim = check_claim(rows)
-    if claim["holds"] is not None:
-        verdict = "[green]holds[/]" if claim["holds"] else "[red]FAILS[/]"
-        console.print(f"{verdict} {claim['claim']}: ratio {claim['ratio']:.3f}")
-    elapsed = time.perf_counter() - started
-    console.print(f"{len(rows)} programs compiled in {elapsed:.1f} s")
-    out = out_dir(args.out)
-    record = {"benchmark": "context_memory",
-              "args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows,
-              "claim": claim, "elapsed_s": elapsed}  # fmt: skip
-    write_json(out / "context_memory.json", record)
-    plot(rows, out / "context_memory.png")
-    console.print(f"wrote {out / 'context_memory.json'} and {out / 'context_memory.png'}")
-    return 1 if claim["holds"] is False else 0
+    return finish_claim("context_memory", args, rows, check_claim(rows), started, console,
+                        lambda path: plot(rows, path))  # fmt: skip
 
 
 if __name__ == "__main__":
