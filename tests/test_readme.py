@@ -21,7 +21,8 @@ def test_the_readme_has_python_blocks_and_a_two_command_quickstart():
     quickstart = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"^```\n(.*?)\n```", quickstart, flags=re.S | re.M)
     assert commands == ["pip install -e . && spmdkit compare",
-                        "pip install -e '.[test]' && python -m pytest -n auto -q --durations=10"]  # fmt: skip
+                        "pip install -e '.[test]' && python -m pytest -n auto --dist loadfile -q "
+                        "--durations=10"]  # fmt: skip
 
 
 @pytest.mark.slow
