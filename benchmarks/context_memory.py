@@ -12,8 +12,9 @@ arguments.
 
 What it shows: with the ring the per-device temporaries stay flat as context doubles with the
 sequence (each device holds S/c queries and at most two S/c key blocks; the backward recomputes
-probabilities block by block); the all-gather holds every key and value (scored blockwise), so
-it grows slowly with the sequence; Ulysses holds the whole sequence for heads / c heads; without
+probabilities block by block); the all-gather holds every key (and an S/c x S score matrix per
+layer), so it grows linearly; Ulysses holds the whole sequence for heads / c heads (S x S scores
+for its heads), also growing; without
 CP one device holds every activation of the sequence (no score matrix: attention is the blockwise
 flash kernel beyond 512 tokens). The claim checked (exit 1 if it fails): ring's temporaries at
 the longest sequence within 1.25x of its at the shortest that uses context parallelism.

@@ -3,8 +3,7 @@ causal kernel built from it (`models.attention.blockwise_attention`, where its c
 
 Grouped-query heads stay grouped (q as ``[B, S, K, G, H]``, G = N / K query heads per
 key/value head): K and V are never repeated. Scores, softmax statistics and accumulators are
-float32 whatever the compute dtype. Context parallelism's ring attention chains the same block
-steps round a ring of devices.
+float32 whatever the compute dtype.
 """
 
 from __future__ import annotations

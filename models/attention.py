@@ -21,8 +21,8 @@ and accumulators are float32 whatever the compute dtype.
   programs that `spmdkit compare` and `plan` price therefore hold what a flash kernel holds), the
   reference where the whole sequence fits one block of 512 (`choose`).
 
-The block steps (`forward_block`, `backward_block`, `finish`) are public because context
-parallelism's ring attention chains the same online softmax round a device ring.
+The block steps (`forward_block`, `backward_block`, `finish`) are public for kernels that chain
+the online softmax another way (over a ring of devices, say).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import _config, kernels
+from models import _config, attention, kernels
 from models._errors import ModelConfigError
 from models.layers import (
     Dense,
@@ -54,6 +54,7 @@ NAME = "gpt2"  # the family name partition_rules presets are keyed by
 INPUT = "inputs"
 # The kernel seam (`models.kernels`): a trainer may run attention distributed inside it.
 use_kernels = kernels.use
+attention_kernel = attention.kernel  # kind -> kernel, for Workload(attention=)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import _config, kernels, llama, moe
+from models import _config, attention, kernels, llama, moe
 from models._errors import ModelConfigError
 from models.layers import Remat, RMSNorm, SelfAttention, residual_std
 
@@ -47,6 +47,7 @@ NAME = "llama-moe"
 INPUT = "inputs"
 # The kernel seam: a trainer may run the experts expert-parallel (and attention distributed).
 use_kernels = kernels.use
+attention_kernel = attention.kernel  # kind -> kernel, for Workload(attention=)
 loss_from_logits = llama.loss_from_logits  # the cross-entropy alone (the aux loss is not in logits)
 batch_shapes = llama.batch_shapes
 make_batch = llama.make_batch

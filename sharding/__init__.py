@@ -30,6 +30,7 @@ from sharding import (
     targets,
     training,
 )
+from sharding._attention import AttentionChoiceError
 from sharding._checks import ArgumentTypeError, StepArgumentError
 from sharding._devices import cpu_only, setup_devices
 from sharding._errors import SpmdkitError
@@ -88,6 +89,7 @@ __all__ = [
     "SEQUENCE_AXIS",
     "AccumulationError",
     "ArgumentTypeError",
+    "AttentionChoiceError",
     "BatchShardingError",
     "DuplicateMeshAxisError",
     "Explanation",

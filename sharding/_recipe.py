@@ -14,8 +14,8 @@ from typing import Any
 import optax
 from jax import sharding as jshard
 
-import models.attention as model_attention
 from partition_rules import PIPELINE_STRATEGIES
+from sharding._attention import attention_kernels
 from sharding._mesh import MeshSpec, make_mesh
 from sharding._sequence import sequence_axes
 from sharding._step import StepConfigError, TrainProgram, compile_train_step
@@ -40,44 +40,6 @@ def check_pipelined_experts(strategy: str, axis_map: Any, mesh: jshard.Mesh) -> 
             "expert; use pp_ep on such a mesh, or pp, pp_tp or pp_fsdp with expert=1 (the "
             "experts whole in each stage), or ep, fsdp_ep or ep_tp without stages"
         )
-
-
-def attention_kernels(
-    work: Workload, kind: str | None, seq: int | None, context_method: str | None, context: int
-) -> dict[str, Any]:
-    """``{"attention": kernel}`` substituting the model's attention with the ``kind`` asked for
-    (``{}`` for None or "auto": the model's own default).
-
-    Under context parallelism the kernel runs inside Ulysses (whole sequence, split heads); ring
-    and all-gather attention chain the blockwise online softmax themselves, so only "auto" or
-    "blockwise" apply there. Refused before compiling: a kernel this host cannot run, a model
-    whose attention cannot be substituted (no kernels hook, or a loss that never asks for it).
-    """
-    if kind is None or kind == "auto":
-        if kind is not None:
-            model_attention.check_kind(kind)
-        return {}
-    model_attention.check_runs_here(kind)
-    if context > 1:
-        method = context_method or "ring"
-        if method != "ulysses" and kind != "blockwise":
-            raise StepConfigError(
-                f"attention={kind!r} with context_method={method!r}: {method} attention over "
-                f"context runs its own blockwise online softmax; use attention='auto' or "
-                f"'blockwise' there, or context_method='ulysses' (which runs {kind!r} on the "
-                f"whole sequence of its heads)"
-            )
-        return {}
-    name = getattr(work, "name", "the model")
-    if work.kernels is None or "attention" not in seam_calls(work, seq or 8):
-        raise StepConfigError(
-            f"attention={kind!r}: workload {name!r} "
-            + ("has no kernels hook" if work.kernels is None else "never asks for the attention "
-               "kernel") + "; its attention must call models.kernels.resolve('attention', "
-            "default) and the Workload pass kernels=models.kernels.use (as the shipped models "
-            "do), or leave attention unset"
-        )  # fmt: skip
-    return {"attention": model_attention.kernel(kind)}
 
 
 def pipeline_for(
@@ -165,8 +127,8 @@ def build_program(
             (default), "allgather" or "ulysses" (`sharding.context`).
         attention: the attention kernel (`models.attention.KINDS`): None or "auto" keeps the
             model's own (for models built from `models.layers`, the backend's flash kernel or
-            the pure-JAX blockwise one); "blockwise", "xla", "cudnn" or "splash" substitute it
-            through the model's kernel seam (`attention_kernels`).
+            the pure-JAX blockwise one); "blockwise", "xla", "cudnn" or "splash" substitute the
+            workload's kernel of that name (``Workload.attention``) through its kernel seam.
 
     Example (with ``llama`` the model family module ``models.llama``):
         >>> work = Workload.from_family(llama, llama.config("tiny"))
@@ -196,9 +158,10 @@ def build_program(
     if pipeline is not None and dict(mesh.shape).get("expert", 1) > 1:
         check_pipelined_experts(strategy, work.axis_map(strategy), mesh)
     kernels, batch_order = context_kernels(work, mesh, context_method, seq or work.seq,
-                                           None if pipeline is None else pipeline.schedule,
-                                           attention=attention)  # fmt: skip
-    kernels = {**attention_kernels(work, attention, seq or work.seq, context_method, context),
+                                           None if pipeline is None else pipeline.schedule)  # fmt: skip
+    asked = attention not in (None, "auto") and work.kernels is not None
+    seam = seam_calls(work, seq or work.seq or 8) if asked else {}
+    kernels = {**attention_kernels(work, attention, seq or work.seq, context, seam),
                **kernels, **expert_kernels(work, mesh)}  # fmt: skip
     if auto and pipeline is not None:
         split = dict(mesh.shape).get("data", 1) * dict(mesh.shape).get("fsdp", 1)

@@ -62,6 +62,9 @@ class Workload:
         check_batch: ``batch -> None`` raising for a host batch the model cannot take.
         kernels: ``(**{name: fn}) -> context manager`` substituting the model's kernels
             (`models.kernels.use`), or None (no context or expert parallelism).
+        attention: ``kind -> kernel``, the attention kernels the model offers by name
+            (`models.attention.kernel`: "blockwise", "xla", "cudnn", "splash"), for
+            ``build_program(..., attention=kind)``; None: only the model's own.
         family, config: set for the shipped families (closed-form cost predictions).
     """
 
@@ -76,6 +79,7 @@ class Workload:
     make_batch: Callable[[int, int | None, jax.Array], dict] | None = None
     check_batch: Callable[[dict], None] | None = None
     kernels: Callable[..., Any] | None = None
+    attention: Callable[[str], Callable] | None = None
     family: Any = None
     config: Any = None
 
@@ -146,6 +150,7 @@ class Workload:
             make_batch=lambda b, s, key: family.make_batch(cfg, b, s, key=key),
             check_batch=lambda batch: family.check_batch(cfg, batch),
             kernels=getattr(family, "use_kernels", None),
+            attention=getattr(family, "attention_kernel", None),
             family=family,
             config=cfg,
         )

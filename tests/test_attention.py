@@ -229,15 +229,23 @@ def test_context_parallel_step_equals_one_device_with_the_reference(method):
 def test_a_kernel_the_step_cannot_substitute_is_refused():
     import dataclasses
 
-    from sharding import StepConfigError
+    from sharding import AttentionChoiceError
 
-    with pytest.raises(StepConfigError, match=r"attention='xla' with context_method='ring'.*"
-                       r"use attention='auto' or 'blockwise'"):  # fmt: skip
+    with pytest.raises(AttentionChoiceError, match=r"attention='xla' on a mesh with context=4: "
+                       r"context parallelism runs its own attention.*use attention='auto'"):  # fmt: skip
         build_program(workload(), "cp", "data=2,context=4", batch=BATCH, seq=SEQ,
                       attention="xla")  # fmt: skip
     bare = dataclasses.replace(workload(), kernels=None)
-    with pytest.raises(StepConfigError, match=r"attention='blockwise': workload .* has no "
-                       r"kernels hook"):  # fmt: skip
+    with pytest.raises(AttentionChoiceError, match=r"attention='blockwise': workload .* offers "
+                       r"no attention kernels by name.*attention=models.attention.kernel"):  # fmt: skip
         build_program(bare, "dp", "data=8", batch=BATCH, seq=SEQ, attention="blockwise")
-    with pytest.raises(AttentionKernelError, match=r"attention='cudnn' runs on a GPU"):
+    with pytest.raises(AttentionChoiceError, match=r"attention='cudnn' runs on a GPU"):
         build_program(workload(), "dp", "data=8", batch=BATCH, seq=SEQ, attention="cudnn")
+
+
+def test_the_library_prices_the_blockwise_kernel_the_model_runs():
+    """The cost model's block and live share (`sharding.costmodel`) are the kernel's own."""
+    from sharding.costmodel import live_fraction
+
+    for s in (100, 512, 513, 4096, 8192, 8000):
+        assert live_fraction(s) == attention.live_fraction(s)

@@ -52,15 +52,10 @@ def test_cli_imports_only_public_names():
     assert not bad, "the CLI imports private names:\n" + "\n".join(bad)
 
 
-# What the library may take from `models`: the kernels every model shares through the seam
-# (user models call them too), never a shipped family.
-SEAM = ("models.attention", "models.kernels")
-
-
 def test_dependencies_point_one_way():
     library = [p for p in files("sharding") if "cli" not in p.relative_to(ROOT).parts]
     bad = [f"{p.relative_to(ROOT)}:{line} {m}" for p in library for line, m in imports(p)
-           if m.split(".")[0] == "models" and not m.startswith(SEAM)]  # fmt: skip
+           if m.split(".")[0] == "models"]  # fmt: skip
     bad += [f"{p.relative_to(ROOT)}:{line} {m}" for p in files("models", "partition_rules")
             for line, m in imports(p) if m.split(".")[0] == "sharding"]  # fmt: skip
     assert not bad, "imports against the one-way dependencies:\n" + "\n".join(bad)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from models.attention import check_runs_here
+from sharding._attention import check_runs_here
 from sharding._devices import cpu_only
 from sharding._mesh import MeshSpec, simulate_cpu_devices
 from sharding._units import SizeFormatError, fmt_bytes, parse_bytes

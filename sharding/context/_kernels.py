@@ -8,9 +8,8 @@ as the step lays them out under dp, fsdp, tp and the cp strategies, so entering 
 kernel moves nothing there, and the collectives it adds are exactly its own, over ``context``.
 
 - `allgather_attention`: K and V all-gathered over context (their gradients reduce-scattered
-  back), local queries against every key by `models.attention.blockwise_attention`, the causal
-  mask from the true positions of the zigzag layout. Simple and fast to compile; each device
-  holds the whole sequence's K and V (never a score matrix).
+  back), local queries against every key, the causal mask from the true positions of the zigzag
+  layout. Simple and fast to compile; attention memory per device grows with the whole sequence.
 - `ring_attention`: K/V blocks passed round the ring (`sharding.context._ring`); memory per
   device flat in the sequence when context grows with it; c - 1 sequential steps.
 - `ulysses_attention`: all-to-all from sequence-split to head-split, plain causal attention on
@@ -33,9 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax import sharding as jshard
 
-from models.attention import KERNEL, blockwise_attention, check_kind
 from sharding._manual import manual_axes
 from sharding._mesh import BATCH_AXES, SEQUENCE_AXIS
+from sharding.context._blocks import causal_mask, masked_attention
 from sharding.context._errors import ContextParallelError
 from sharding.context._layout import check_balanced_seq, zigzag_positions
 from sharding.context._ring import ring_local
@@ -114,7 +113,7 @@ def allgather_attention(mesh: jshard.Mesh) -> Kernel:
         q_pos = lax.dynamic_slice_in_dim(order, lax.axis_index(AXIS) * s_local, s_local)
         k_all = lax.all_gather(k, AXIS, axis=1, tiled=True)
         v_all = lax.all_gather(v, AXIS, axis=1, tiled=True)
-        return blockwise_attention(q, k_all, v_all, q_positions=q_pos, k_positions=order)
+        return masked_attention(q, k_all, v_all, q_pos[:, None] >= order[None, :])
 
     def check(q, k):
         _check_gqa(who, q, k)
@@ -164,21 +163,18 @@ def check_ulysses_heads(n_heads: int, n_kv_heads: int, context: int, tensor: int
         )
 
 
-def ulysses_attention(mesh: jshard.Mesh, attention: str = "auto") -> Kernel:
+def ulysses_attention(mesh: jshard.Mesh) -> Kernel:
     """Causal attention by all-to-all over ``context``: sequence-split in, head-split inside
-    (``heads / c`` heads over the whole sequence, run by the ``attention`` kernel of
-    `models.attention`: blockwise on CPU, the backend's flash kernel under "auto"),
-    sequence-split out. Written order in and out.
+    (``heads / c`` heads over the whole sequence), sequence-split out. Written order in and out.
     """
     who = "ulysses_attention"
     c = _context_size(mesh, who)
     t = dict(mesh.shape).get("tensor", 1)
-    attend = KERNEL[check_kind(attention)]
 
     def local(q, k, v):
         to_heads = lambda x: lax.all_to_all(x, AXIS, 2, 1, tiled=True)  # noqa: E731
         q, k, v = to_heads(q), to_heads(k), to_heads(v)
-        out = attend(q, k, v)
+        out = masked_attention(q, k, v, causal_mask(q.shape[1], k.shape[1]))
         return lax.all_to_all(out, AXIS, 1, 2, tiled=True)
 
     def check(q, k):

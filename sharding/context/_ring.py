@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.attention import (
+from sharding.context._blocks import (
     F32,
     backward_block,
     causal_mask,

@@ -66,8 +66,6 @@ def context_kernels(
     method: str | None = None,
     seq: int | None = None,
     schedule: str | None = None,
-    *,
-    attention: str | None = None,
 ) -> tuple[dict[str, Callable], Callable[[dict], dict] | None]:
     """``({name: kernel}, batch_order)`` for a `sharding.Workload` on ``mesh`` (``({}, None)``
     without a context axis).
@@ -83,8 +81,6 @@ def context_kernels(
     its own slice of the sequence: the positions must come from the ``positions`` kernel
     whatever the method, and ring attention runs only under gpipe and circular, whose stages all
     compute at every tick (see `check_pipelined`).
-
-    ``attention``: the `models.attention` kernel Ulysses runs on its heads (None: "auto").
     """
     c = dict(mesh.shape).get(AXIS, 1)
     method = check_method(method, c)
@@ -122,11 +118,7 @@ def context_kernels(
             f"default) (models.layers.SelfAttention does, for RoPE), or use "
             f"context_method='ulysses', which keeps the written order"
         )
-    factory = FACTORIES[method]
-    if method == "ulysses":  # the whole sequence of its heads, by the kernel asked for
-        kernels = {"attention": factory(mesh, attention or "auto")}
-    else:
-        kernels = {"attention": factory(mesh)}
+    kernels = {"attention": FACTORIES[method](mesh)}
     if method not in BALANCED:
         if seq % c:
             raise ContextParallelError(

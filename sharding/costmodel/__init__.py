@@ -11,6 +11,7 @@ compare and plan. `candidates` ranks every layout of a family on a target from t
 `plan` does all of it for `spmdkit plan`. Every error is a `CostModelError`.
 """
 
+from sharding._attention import live_fraction
 from sharding.costmodel._check import check_candidate
 from sharding.costmodel._layouts import (
     DEFAULT,
@@ -85,6 +86,7 @@ __all__ = [
     "compiled_candidates",
     "few_layouts",
     "layouts",
+    "live_fraction",
     "memory_budget",
     "meshes",
     "plan",

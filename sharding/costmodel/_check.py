@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from models.attention import runs_here
+from sharding._attention import runs_here
 from sharding._devices import cpu_only
 from sharding._mesh import simulate_cpu_devices
 from sharding.costmodel._predict import CostModelError, predict

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from models.attention import check_kind, check_runs_here, runs_here
+from sharding._attention import check_kind, check_runs_here, runs_here
 from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
 from sharding._workload import Workload
 from sharding.costmodel._check import check_top, devices_here

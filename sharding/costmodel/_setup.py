@@ -11,8 +11,8 @@ from typing import Any
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from models.attention import BLOCK, check_kind, live_fraction
 from partition_rules import PIPELINE_STRATEGIES, preset
+from sharding._attention import BLOCK, check_kind, live_fraction
 from sharding._errors import SpmdkitError
 from sharding._init import abstract_params
 from sharding._mesh import BATCH_AXES, MeshSpec
@@ -58,10 +58,10 @@ class Setup:
 
     @property
     def flash(self) -> bool:
-        """Whether attention runs flash-style (blockwise, cuDNN, splash, ring): no score matrix
-        kept, the backward recomputing each block's probabilities."""
-        if self.sizes["context"] > 1 and self.context_method != "ulysses":
-            return True
+        """Whether attention runs flash-style (blockwise, cuDNN, splash, ring attention): no
+        score matrix kept, the backward recomputing each block's probabilities."""
+        if self.sizes["context"] > 1:  # its own kernels: only the ring is blockwise
+            return self.context_method == "ring"
         # "auto" on one block is the reference (`models.attention.choose`); on a GPU cuDNN's
         # flash kernel would keep a little less than that one block's scores.
         return self.attention != "xla" and (self.attention != "auto" or self.seq > BLOCK)
@@ -70,13 +70,13 @@ class Setup:
     def attention_keys(self) -> float:
         """Keys each local query is scored against, in FLOPs terms: ring attention skips the
         fully masked half-blocks of the zigzag layout (step 0 is a whole masked block, each of
-        the c - 1 others half of one); all-gather attention scores every key (its zigzag mask
-        leaves no block wholly masked); a flash kernel on the whole sequence skips the key
-        blocks above the diagonal (`models.attention.live_fraction`); the reference all keys."""
+        the c - 1 others half of one); all-gather and Ulysses attention score every key; a flash
+        kernel on the whole sequence skips the key
+        blocks above the diagonal (`sharding._attention.live_fraction`); the reference all keys."""
         c = self.sizes["context"]
         if c > 1 and self.context_method == "ring":
             return self.local_seq * (c + 1) / 2
-        if (c > 1 and self.context_method == "allgather") or not self.flash:
+        if c > 1 or not self.flash:
             return self.seq
         return self.seq * live_fraction(self.seq)
 

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from models.attention import KINDS as ATTENTION_KINDS
 from partition_rules import STRATEGIES
+from sharding._attention import KINDS as ATTENTION_KINDS
 from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
 from sharding.training._elastic import ELASTIC_POLICIES
