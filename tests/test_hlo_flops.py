@@ -8,6 +8,7 @@ features), each times the runs of its computation per program run.
 import dataclasses
 import io
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,13 @@ from rich.console import Console
 
 from models import llama
 from sharding import make_mesh
-from sharding.inspection import FlopCount, ProgramReport, compile_and_inspect, count_flops
+from sharding.inspection import (
+    FlopCount,
+    FlopCounter,
+    ProgramReport,
+    compile_and_inspect,
+    count_flops,
+)
 
 
 def flops_of(f, *args):
@@ -57,6 +64,38 @@ def test_nested_scans_multiply_trip_counts():
 
     count = flops_of(f, zeros(m, d), zeros(d, d))
     assert count.total == outer * inner * 2 * m * d * d and count.exact
+
+
+def test_an_edited_loop_or_branch_list_counts_as_the_edited_text_does():
+    """FlopCounter parses once and answers for one edited calling line (a trip count one more,
+    a branch listed twice) exactly what count_flops says of the edited text."""
+    outer, inner, m, d = 3, 4, 16, 32
+
+    def f(p, c, w):
+        step = lambda c, _: (jnp.tanh(c @ w), None)  # noqa: E731
+        loop = lambda c, _: (lax.scan(step, c, None, length=inner)[0], None)  # noqa: E731
+        c = lax.cond(p, lambda: c @ w, lambda: (c @ w) @ w)
+        return lax.scan(loop, c, None, length=outer)[0]
+
+    text = jax.jit(f).lower(jax.ShapeDtypeStruct((), jnp.bool_), zeros(m, d), zeros(d, d))
+    text = text.compile().as_text()
+    counter, dot = FlopCounter(text), 2 * m * d * d
+    assert (
+        counter.count() == count_flops(text)
+        and counter.count().total == (1 + 2 + outer * inner) * dot
+    )
+    whiles = [x for x in text.splitlines() if " while(" in x and f'"n":"{outer}"' in x]
+    conds = [x for x in text.splitlines() if " conditional(" in x]
+    assert len(whiles) == 1 and len(conds) == 1
+    more = whiles[0].replace(f'"n":"{outer}"', f'"n":"{outer + 1}"')
+    branches = re.search(r"branch_computations=\{([^}]*)\}", conds[0])
+    twice = conds[0].replace(
+        branches.group(1), branches.group(1) + ", " + branches.group(1).split(",")[-1].strip()
+    )
+    for line, edited in ((whiles[0], more), (conds[0], twice)):
+        assert counter.count(edit=(line, edited)) == count_flops(text.replace(line, edited, 1))
+    assert counter.count(edit=(whiles[0], more)).total == counter.count().total + inner * dot
+    assert counter.count() == count_flops(text)  # an edit leaves the counter as it was
 
 
 def test_a_batched_einsum_counts_every_output_times_the_contracted_size():

@@ -25,7 +25,7 @@ from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._lanes import Lanes, price
 from sharding.costmodel._predict import Prediction
 from sharding.costmodel._steptime import CollectiveWork, StepTimeError, StepWork
-from sharding.inspection import ProgramReport, count_flops
+from sharding.inspection import FlopCounter, ProgramReport
 from sharding.pipeline import Kind, Schedule, make_schedule
 
 # The named scope of each lane's conditional in an explicit schedule's tick (sharding.pipeline).
@@ -49,7 +49,8 @@ class _Ticks:
     """
 
     def __init__(self, hlo_text: str):
-        self.text, self.base = hlo_text, float(count_flops(hlo_text).total)
+        self.counter = FlopCounter(hlo_text)
+        self.base = float(self.counter.count().total)
         self.lines: list[tuple[str, str, str]] = []  # (computation, line sans noise, raw line)
         self.callees: dict[str, set[str]] = defaultdict(set)
         comp = None
@@ -73,7 +74,7 @@ class _Ticks:
 
     def added(self, raw: str, edited: str) -> float:
         """FLOPs the program gains when instruction line ``raw`` is replaced by ``edited``."""
-        return count_flops(self.text.replace(raw, edited, 1)).total - self.base
+        return self.counter.count(edit=(raw, edited)).total - self.base
 
     def loops(self, trips: int) -> list[tuple[str, float]]:
         """(body, FLOPs one more iteration adds) of the outermost loops of ``trips`` iterations."""

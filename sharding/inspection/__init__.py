@@ -6,7 +6,7 @@ counts matmul FLOPs loop-aware; `device_peak` / `host_peak` give the FLOP/s an M
 """
 
 from sharding.inspection._errors import InspectionError
-from sharding.inspection._flops import MATMUL_KINDS, FlopCount, count_flops
+from sharding.inspection._flops import MATMUL_KINDS, FlopCount, FlopCounter, count_flops
 from sharding.inspection._hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
@@ -37,6 +37,7 @@ __all__ = [
     "CollectiveOp",
     "CollectiveSummary",
     "FlopCount",
+    "FlopCounter",
     "InspectionError",
     "MemoryStats",
     "Peak",

@@ -68,13 +68,37 @@ def count_flops(hlo_text: str) -> FlopCount:
         >>> count_flops(jax.jit(jnp.dot).lower(a, b).compile().as_text())  # doctest: +SKIP
         FlopCount(total=4194304, by_op={'dot': 4194304, 'convolution': 0}, exact=True)
     """
-    module, exact = _Module(hlo_text), True
-    by_op = dict.fromkeys(MATMUL_KINDS, 0)
-    for comp, _, type_text, opcode, operands, attrs in module.instructions:
-        if opcode == "custom-call" and '"dot_dimension_numbers"' in attrs:  # cuBLAS, rocBLAS
-            opcode = "dot"
-        if opcode in by_op:
+    return FlopCounter(hlo_text).count()
+
+
+class FlopCounter:
+    """`count_flops` of one module, parsed once, and of the same module with one calling
+    instruction edited (a loop's trip count, a conditional's branch list): what one more
+    iteration or one more run of a branch adds, without parsing the module again.
+
+    Example:
+        >>> counter = FlopCounter(compiled.as_text())  # doctest: +SKIP
+        >>> counter.count(edit=(while_line, while_line_with_trip_count_plus_one))  # doctest: +SKIP
+    """
+
+    def __init__(self, hlo_text: str):
+        self._module = _Module(hlo_text)
+        self._local: dict[str | None, dict[str, int]] = {}  # per computation, one run, by kind
+        for comp, _, type_text, opcode, operands, attrs in self._module.instructions:
+            if opcode == "custom-call" and '"dot_dimension_numbers"' in attrs:  # cuBLAS, rocBLAS
+                opcode = "dot"
+            if opcode in MATMUL_KINDS:
+                flops = _matmul_flops(self._module, type_text, opcode, operands, attrs)
+                self._local.setdefault(comp, dict.fromkeys(MATMUL_KINDS, 0))[opcode] += flops
+
+    def count(self, edit: tuple[str, str] | None = None) -> FlopCount:
+        """The module's FLOPs; with ``edit=(line, new_line)``, those of the module in which the
+        calling instruction ``line`` (as printed) reads ``new_line``."""
+        module = self._module.edited(*edit) if edit else self._module
+        by_op, exact = dict.fromkeys(MATMUL_KINDS, 0), True
+        for comp, local in self._local.items():
             n, e = module.runs(comp)
-            by_op[opcode] += n * _matmul_flops(module, type_text, opcode, operands, attrs)
             exact &= e
-    return FlopCount(sum(by_op.values()), by_op, exact)
+            for kind, flops in local.items():
+                by_op[kind] += n * flops
+        return FlopCount(sum(by_op.values()), by_op, exact)

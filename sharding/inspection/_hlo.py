@@ -19,6 +19,7 @@ Byte conventions, all per device:
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections import defaultdict
@@ -264,6 +265,7 @@ class _Module:
         self.callers: dict[str, list[tuple[str | None, int, bool]]] = defaultdict(list)
         self.entry = comp = None
         self._memo: dict[str, tuple[int, bool]] = {}
+        self.calling: dict[str, tuple[str | None, list]] = {}  # line -> (its computation, callees)
         for raw in hlo_text.splitlines():
             line = _NOISE.sub("", raw).strip()
             if (instruction := _instruction(line)) is None:
@@ -274,8 +276,25 @@ class _Module:
             self.shapes[name] = type_text
             self.instructions.append((comp, *instruction))
             if not opcode.endswith(("-done", "-update")):  # an async pair runs its callee once
-                for callee, factor, exact in _callees(attrs, raw):
+                self.calling[raw] = (comp, _callees(attrs, raw))
+                for callee, factor, exact in self.calling[raw][1]:
                     self.callers[callee].append((comp, factor, exact))
+
+    def edited(self, raw: str, edited: str) -> _Module:
+        """This module with the calling instruction line ``raw`` replaced by ``edited`` (another
+        trip count, another branch list): the runs of every computation follow, the instructions
+        are shared. Parses one line, not the module."""
+        comp, old = self.calling[raw]
+        out = copy.copy(self)
+        out.callers = defaultdict(list, {k: list(v) for k, v in self.callers.items()})
+        out._memo = {}
+        for callee, factor, exact in old:
+            out.callers[callee].remove((comp, factor, exact))
+        for callee, factor, exact in _callees(
+            _instruction(_NOISE.sub("", edited).strip())[4], edited
+        ):
+            out.callers[callee].append((comp, factor, exact))
+        return out
 
     def operand_type(self, operand: str) -> str:
         """Operands print as `%name` (jax 0.10) or, in some XLA versions, `f32[8]{0} %name`."""
