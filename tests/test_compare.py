@@ -175,16 +175,16 @@ def test_remat_policies_are_candidates_when_asked():
 @pytest.mark.slow
 def test_compare_cli_writes_json_and_a_png_with_the_recommendation(tmp_path, capsys):
     out = tmp_path / "cmp"
-    argv = ["compare", "--strategies", "dp,fsdp_tp,pp", "--dtype", "float32", "--batch", "16",
+    # Two strategies: the CLI's parsing, printing and files are the subject here; every
+    # strategy and schedule is compared in test_llama_tiny_on_one_h100_node_... above.
+    argv = ["compare", "--strategies", "dp,fsdp_tp", "--dtype", "float32", "--batch", "16",
             "--seq", "32", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "Recommendation" in text and "ranked by step time predicted on h100:1x8" in text
     record = json.loads((out / "compare.json").read_text())
     assert record["recommendation"]["candidate"] == "dp"
-    assert {c["label"] for c in record["candidates"]} == {
-        "dp", "fsdp_tp", "pp gpipe m=8", "pp 1f1b m=8", "pp interleaved m=4 r=2", "pp zb-h1 m=8",
-        "pp circular m=4 r=2"}  # fmt: skip
+    assert {c["label"] for c in record["candidates"]} == {"dp", "fsdp_tp"}
     assert (out / "compare.png").stat().st_size > 10_000
     assert main(argv) == 2  # the folder holds a comparison now
     assert "pass --overwrite" in capsys.readouterr().err

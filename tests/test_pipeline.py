@@ -78,26 +78,22 @@ def assert_matches_reference(prog, family=llama, batch=16):
     assert_close(grads, ref_grads)
 
 
-# (schedule, stages p, micro-batches m, repeats r): p in {2, 4}, m in {p, 2p, 8}, r in {1, 2}
-# where the 4-layer tiny model allows it (circular and interleaved need p*r | 4 and m >= p).
+# (schedule, stages p, micro-batches m, repeats r): for every schedule the fewest micro-batches
+# it takes (m = p: the fill and the drain meet, no steady state) and more than p (a steady
+# state), on 2 stages and, where the 4-layer tiny model allows it (circular and interleaved need
+# p*r | 4), on 4.
 CASES = [
     ("gpipe", 2, 2, 1),
-    ("gpipe", 2, 4, 1),
-    ("gpipe", 2, 8, 1),
-    ("gpipe", 4, 4, 1),
     ("gpipe", 4, 8, 1),
     ("circular", 2, 2, 2),
-    ("circular", 2, 4, 2),
     ("circular", 2, 8, 2),
     ("1f1b", 2, 2, 1),
-    ("1f1b", 2, 4, 1),
     ("1f1b", 2, 8, 1),
     ("1f1b", 4, 4, 1),
     ("1f1b", 4, 8, 1),
     ("interleaved", 2, 2, 2),
     ("interleaved", 2, 4, 2),
     ("zb-h1", 2, 2, 1),
-    ("zb-h1", 2, 4, 1),
     ("zb-h1", 4, 8, 1),
 ]
 
@@ -185,11 +181,10 @@ def test_explicit_schedules_hold_a_bounded_number_of_micro_batches():
     in m: within 5% from m=8 to m=32. GPipe without remat keeps all m. zb-h1 holds no more
     than 1f1b."""
     temp = {}
-    for schedule, m in (("1f1b", 8), ("1f1b", 16), ("1f1b", 32), ("gpipe", 8), ("gpipe", 32),
-                        ("zb-h1", 32)):  # fmt: skip
+    for schedule, m in (("1f1b", 8), ("1f1b", 32), ("gpipe", 8), ("gpipe", 32), ("zb-h1", 32)):
         prog = program("pp", "stage=4,data=2", schedule, m, batch=2 * m)
         temp[schedule, m] = prog.report().memory.temp
-    assert max(temp["1f1b", m] for m in (8, 16, 32)) <= 1.05 * temp["1f1b", 8]
+    assert temp["1f1b", 32] <= 1.05 * temp["1f1b", 8]
     activation = 1 * SEQ * CFG.d_model * F32
     assert temp["gpipe", 32] - temp["gpipe", 8] >= 10 * activation * (32 - 8)
     assert temp["zb-h1", 32] <= temp["1f1b", 32]
