@@ -192,8 +192,18 @@ def loss_and_grads(strategy, mesh_spec, kind, **kw):
         mesh_spec = make_mesh("data=1", jax.devices()[:1])
     prog = build_program(workload(), strategy, mesh_spec, batch=BATCH, seq=SEQ, attention=kind,
                          **kw)  # fmt: skip
-    loss, grads = prog.loss_and_grads(prog.init(seed=0)["params"], batch())
+    # Every program starts from the one-device program's seed-0 parameters, placed in its own
+    # shardings (born-sharded init is tested in test_presets and test_step).
+    params = jax.device_put(init_params(), prog.param_shardings)
+    loss, grads = prog.loss_and_grads(params, batch())
     return float(loss), jax.tree.leaves(grads)
+
+
+@cache
+def init_params():
+    one = build_program(workload(), "dp", make_mesh("data=1", jax.devices()[:1]), batch=BATCH,
+                        seq=SEQ)  # fmt: skip
+    return jax.device_get(one.init(seed=0)["params"])
 
 
 @cache

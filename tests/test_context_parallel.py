@@ -116,13 +116,21 @@ def program(family: str, strategy: str, mesh_spec: str, method: str | None, rema
 
 
 @cache
+def one_device(family: str):
+    """The reference program on one device and its seed-0 parameters (on the host)."""
+    prog = build_program(workload(family), "dp", make_mesh("data=1", jax.devices()[:1]),
+                         batch=BATCH, seq=SEQ)  # fmt: skip
+    return prog, jax.device_get(prog.init(seed=0)["params"])
+
+
+@cache
 def loss_and_grads(family: str, strategy: str, mesh_spec: str, method: str | None):
-    if mesh_spec == "one device":
-        prog = build_program(workload(family), "dp", make_mesh("data=1", jax.devices()[:1]),
-                             batch=BATCH, seq=SEQ)  # fmt: skip
-    else:
-        prog = program(family, strategy, mesh_spec, method)
-    loss, grads = prog.loss_and_grads(prog.init(seed=0)["params"], batch(family))
+    """One device's numbers (``mesh_spec="one device"``) or the program's, from the same
+    parameters (the reference's, placed in the program's shardings; born-sharded init is tested
+    in test_presets and test_step)."""
+    ref, params = one_device(family)
+    prog = ref if mesh_spec == "one device" else program(family, strategy, mesh_spec, method)
+    loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch(family))
     return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 

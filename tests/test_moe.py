@@ -60,9 +60,22 @@ def program(capacity_factor, strategy: str, mesh: str):
 
 
 @cache
-def loss_and_grads(capacity_factor, strategy: str, mesh: str):
+def seed0_params():
+    """The one-device program's seed-0 parameters, on the host (the capacity factor changes no
+    parameter). Programs compared with one device start from these, placed in their own
+    shardings; `test_training_step_equals_one_device` also checks born-sharded init."""
+    return jax.device_get(program(NO_DROPS, "dp", "data=1").init(0)["params"])
+
+
+@cache
+def loss_and_grads(capacity_factor, strategy: str, mesh: str, born: bool = False):
     prog = program(capacity_factor, strategy, mesh)
-    params = prog.init(0)["params"]
+    if born:
+        params = prog.init(0)["params"]
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(seed0_params()), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+    else:
+        params = jax.device_put(seed0_params(), prog.param_shardings)
     loss, grads = prog.loss_and_grads(params, batch())
     return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -158,9 +171,10 @@ def test_dropless_ragged_dot_equals_capacity_path_without_drops():
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_training_step_equals_one_device(strategy):
-    """Loss and every gradient, capacity large enough that nothing drops."""
+    """Born-sharded init, then loss and every gradient, capacity large enough that nothing
+    drops."""
     assert_same(
-        loss_and_grads(NO_DROPS, strategy, STRATEGIES[strategy]),
+        loss_and_grads(NO_DROPS, strategy, STRATEGIES[strategy], born=True),
         loss_and_grads(NO_DROPS, "dp", "data=1"),
     )
 
@@ -273,9 +287,10 @@ def grouped_reference(params, data: int, capacity_factor: float = NO_DROPS):
         model = nnx.merge(graphdef, p)
         logits, _ = model.forward(inputs)
         rows, b = np.arange(B), B // MICRO
-        groups = [rows[k::MICRO][d * b // data : (d + 1) * b // data]
-                  for k in range(MICRO) for d in range(data)]  # fmt: skip
-        aux = jnp.mean(jnp.stack([model.forward(inputs[g])[1] for g in groups]))
+        groups = np.stack([rows[k::MICRO][d * b // data : (d + 1) * b // data]
+                           for k in range(MICRO) for d in range(data)])  # fmt: skip
+        # One forward per group, as a batch of groups (one compiled forward, not one per group).
+        aux = jnp.mean(jax.vmap(lambda x: model.forward(x)[1])(inputs[groups]))
         return llama_moe.loss_from_logits(logits, batch()) + cfg.aux_loss_coef * aux
 
     key = (data, capacity_factor)  # every program starts from the same (seed 0) parameters
@@ -296,7 +311,7 @@ def test_pipelines_carry_the_load_balancing_loss(strategy, mesh, schedule, capac
     and the step equals one device computing the loss over the same groups of rows."""
     prog = build_program(work(capacity_factor), strategy, mesh, batch=B, seq=S,
                          schedule=schedule, microbatches=MICRO)  # fmt: skip
-    params = prog.init(0)["params"]
+    params = jax.device_put(seed0_params(), prog.param_shardings)
     loss, grads = prog.loss_and_grads(params, batch())
     # The batch shards the stages are manual over: data and expert (fsdp stays automatic).
     sizes = dict(make_mesh(mesh).shape)

@@ -48,13 +48,21 @@ def batch(family: str) -> dict:
 
 
 @cache
+def one_device(family: str):
+    """The reference program on one device and its seed-0 parameters (on the host)."""
+    prog = build_program(workload(family), "dp", make_mesh("data=1", jax.devices()[:1]),
+                         batch=BATCH, seq=SEQ)  # fmt: skip
+    return prog, jax.device_get(prog.init(seed=0)["params"])
+
+
+@cache
 def loss_and_grads(family: str, strategy: str, mesh: str, schedule: str | None, method=None):
-    if schedule is None:  # the reference: one device
-        prog = build_program(workload(family), "dp", make_mesh("data=1", jax.devices()[:1]),
-                             batch=BATCH, seq=SEQ)  # fmt: skip
-    else:
-        prog = program(family, strategy, mesh, schedule, method)
-    loss, grads = prog.loss_and_grads(prog.init(seed=0)["params"], batch(family))
+    """One device's numbers (``schedule=None``) or the program's, from the same parameters (the
+    reference's, placed in the program's shardings; born-sharded init is tested elsewhere)."""
+    ref, params = one_device(family)
+    prog = ref if schedule is None else program(family, strategy, mesh, schedule, method)
+    params = jax.device_put(params, prog.param_shardings)
+    loss, grads = prog.loss_and_grads(params, batch(family))
     return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 

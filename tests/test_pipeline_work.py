@@ -81,9 +81,11 @@ def batch_of(batch: int) -> dict:
 
 @cache
 def reference(batch: int):
+    """One device's (params, loss, grads) for seed 0."""
     prog = program("data=1", batch, devices=jax.devices()[:1])
-    loss, grads = prog.loss_and_grads(prog.init(0)["params"], batch_of(batch))
-    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
+    params = jax.device_get(prog.init(0)["params"])
+    loss, grads = prog.loss_and_grads(params, batch_of(batch))
+    return params, float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
 # (mesh, batch, schedule, micro-batches, repeats, remat): rows split over stages by a
@@ -104,7 +106,7 @@ CASES = [
 @pytest.mark.parametrize(("mesh", "batch", "schedule", "m", "r", "remat"), CASES)
 def test_pipeline_matches_one_device(mesh, batch, schedule, m, r, remat):
     prog = program(mesh, batch, schedule=schedule, microbatches=m, repeats=r, remat=remat)
-    loss, grads = prog.loss_and_grads(prog.init(0)["params"], batch_of(batch))
-    ref_loss, ref_grads = reference(batch)
+    params, ref_loss, ref_grads = reference(batch)  # the same parameters, placed for `prog`
+    loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch_of(batch))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)
