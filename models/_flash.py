@@ -102,13 +102,23 @@ def backward_block(q_BSKGH, k_BTKH, v_BTKH, do_BKGSH, lse, delta, mask_ST=None):
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """The static part of one blockwise call: block sizes, padded lengths and the live pairs."""
+    """The static part of one blockwise call: block sizes, padded lengths and the live pairs.
+
+    ``whole``: the pairs every query of which sees every key (no mask); ``pairs``: the rest,
+    masked. With ``diagonal`` the masked pairs are the diagonal blocks of a plain causal mask,
+    each masked by the same constant lower triangle; otherwise each pair's mask is compared
+    from the positions. Masks that depend only on positions would otherwise be computed once
+    for every pair and kept whole through the backward (autodiff hoists them out of the
+    layer stack's loop as constants): ``[pairs, B, K, G, bq, bk]``, quadratic in the sequence.
+    """
 
     bq: int
     bk: int
     s_pad: int
     t_pad: int
     pairs: tuple[tuple[int, int], ...]  # (query block, key block), each query block's in order
+    whole: tuple[tuple[int, int], ...] = ()
+    diagonal: bool = False
 
 
 def _plan(s: int, t: int, block_q: int, block_k: int, causal_offset: int | None) -> _Plan:
@@ -116,10 +126,17 @@ def _plan(s: int, t: int, block_q: int, block_k: int, causal_offset: int | None)
     nq, nk = -(-s // bq), -(-t // bk)
     if causal_offset is None:  # positions given at run time: every pair, masked in the block
         pairs = tuple((i, j) for i in range(nq) for j in range(nk))
-    else:  # key block j is live for query block i when its first key <= the block's last query
-        last_q = [min((i + 1) * bq, s) - 1 + causal_offset for i in range(nq)]
-        pairs = tuple((i, j) for i in range(nq) for j in range(nk) if j * bk <= last_q[i])
-    return _Plan(bq, bk, nq * bq, nk * bk, pairs)
+        return _Plan(bq, bk, nq * bq, nk * bk, pairs)
+    # Key block j is live for query block i when its first key <= the block's last query, and
+    # whole when its last key <= the block's first query (the last key block's padding slots
+    # are never whole: they lie past every query).
+    first_q = [i * bq + causal_offset for i in range(nq)]
+    last_q = [min((i + 1) * bq, s) - 1 + causal_offset for i in range(nq)]
+    live = [(i, j) for i in range(nq) for j in range(nk) if j * bk <= last_q[i]]
+    whole = tuple((i, j) for i, j in live if (j + 1) * bk - 1 <= first_q[i] and (j + 1) * bk <= t)
+    pairs = tuple(ij for ij in live if ij not in whole)
+    diagonal = bq == bk and causal_offset == 0 and all(i == j for i, j in pairs)
+    return _Plan(bq, bk, nq * bq, nk * bk, pairs, whole, diagonal)
 
 
 def _pad(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
@@ -146,8 +163,25 @@ def _like(*xs: jax.Array) -> jax.Array:
     return sum(x.reshape(-1)[0].astype(F32) for x in xs)
 
 
-def _pairs_array(plan: _Plan) -> jax.Array:
-    return jnp.asarray(np.asarray(plan.pairs, np.int32).reshape(-1, 2))
+def _over_pairs(step, init, plan: _Plan, q_pos, k_pos):
+    """``init`` folded through ``step(carry, (qs, ks), mask)`` over the whole pairs (mask
+    None), then the masked ones."""
+    tril = jnp.tril(jnp.ones((plan.bq, plan.bk), bool))  # one constant for every diagonal pair
+
+    def scan(pairs, mask_of, carry):
+        def body(carry, ij):
+            qs, ks = ij[0] * plan.bq, ij[1] * plan.bk
+            return step(carry, qs, ks, mask_of(qs, ks)), None
+
+        if not pairs:
+            return carry
+        return lax.scan(body, carry, jnp.asarray(np.asarray(pairs, np.int32).reshape(-1, 2)))[0]
+
+    def by_position(qs, ks):
+        return _slice(q_pos, qs, plan.bq, 0)[:, None] >= _slice(k_pos, ks, plan.bk, 0)[None, :]
+
+    carry = scan(plan.whole, lambda qs, ks: None, init)
+    return scan(plan.pairs, (lambda qs, ks: tril) if plan.diagonal else by_position, carry)
 
 
 def _forward(plan: _Plan, q, k, v, q_pos, k_pos):
@@ -162,16 +196,14 @@ def _forward(plan: _Plan, q, k, v, q_pos, k_pos):
             lax.full_like(like, NEG, F32, (b, n_kv, g, plan.s_pad)),
             lax.full_like(like, 0, F32, (b, n_kv, g, plan.s_pad)))  # fmt: skip
 
-    def step(acc, ij):
-        qs, ks = ij[0] * plan.bq, ij[1] * plan.bk
-        mask = _slice(q_pos, qs, plan.bq, 0)[:, None] >= _slice(k_pos, ks, plan.bk, 0)[None, :]
+    def step(acc, qs, ks, mask):
         blk = tuple(_slice(a, qs, plan.bq, 3) for a in acc)
         blk = forward_block(blk, _slice(qg, qs, plan.bq, 1), _slice(k, ks, plan.bk, 1),
                             _slice(v, ks, plan.bk, 1), mask)  # fmt: skip
         return tuple(lax.dynamic_update_slice_in_dim(a, x, qs, axis=3)
-                     for a, x in zip(acc, blk, strict=True)), None  # fmt: skip
+                     for a, x in zip(acc, blk, strict=True))  # fmt: skip
 
-    acc, _ = lax.scan(step, init, _pairs_array(plan))
+    acc = _over_pairs(step, init, plan, q_pos, k_pos)
     out, lse = finish(acc, (b, plan.s_pad, n, h), q.dtype)
     return out[:, :s], lse
 
@@ -188,17 +220,15 @@ def _backward(plan: _Plan, res, d_out):
     like = _like(q, k, v, d_out)
     init = tuple(lax.full_like(like, 0, F32, x.shape) for x in (qg, kp, vp))
 
-    def step(grads, ij):
-        qs, ks = ij[0] * plan.bq, ij[1] * plan.bk
-        mask = _slice(q_pos, qs, plan.bq, 0)[:, None] >= _slice(k_pos, ks, plan.bk, 0)[None, :]
+    def step(grads, qs, ks, mask):
         row = lambda x: _slice(x, qs, plan.bq, 3)  # noqa: E731
         dq, dk, dv = backward_block(_slice(qg, qs, plan.bq, 1), _slice(kp, ks, plan.bk, 1),
                                     _slice(vp, ks, plan.bk, 1), row(do), row(lse), row(delta),
                                     mask)  # fmt: skip
         gq, gk, gv = grads
-        return (_add_at(gq, dq, qs, 1), _add_at(gk, dk, ks, 1), _add_at(gv, dv, ks, 1)), None
+        return _add_at(gq, dq, qs, 1), _add_at(gk, dk, ks, 1), _add_at(gv, dv, ks, 1)
 
-    (dq, dk, dv), _ = lax.scan(step, init, _pairs_array(plan))
+    dq, dk, dv = _over_pairs(step, init, plan, q_pos, k_pos)
     dq = dq[:, :s].reshape(q.shape).astype(q.dtype)
     return dq, dk[:, :t].astype(k.dtype), dv[:, :t].astype(v.dtype), None, None
 
@@ -269,4 +299,4 @@ def live_fraction(s: int, t: int | None = None, block: int = BLOCK) -> float:
     """
     t = s if t is None else t
     plan = _plan(s, t, block, block, causal_offset=t - s)
-    return len(plan.pairs) * plan.bq * plan.bk / (s * t) if s and t else 0.0
+    return len(plan.pairs + plan.whole) * plan.bq * plan.bk / (s * t) if s and t else 0.0

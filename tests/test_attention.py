@@ -7,6 +7,8 @@ reference, under the strategies that split attention differently.
 
 from __future__ import annotations
 
+import math
+import re
 from functools import cache
 
 import jax
@@ -124,6 +126,27 @@ def test_blockwise_memory_is_linear_in_the_sequence():
     score matrix grows 16x)."""
     assert temp_bytes("blockwise", 4096) <= 4.5 * temp_bytes("blockwise", 1024)
     assert temp_bytes("xla", 4096) >= 12 * temp_bytes("xla", 1024)
+
+
+def test_no_mask_is_kept_for_every_block_pair_in_a_layer_stack():
+    """In a scanned stack, a mask that depends only on positions is loop-invariant: autodiff
+    would compute it once for every block pair and keep ``[pairs, B, K, G, bq, bk]`` through
+    the backward (quadratic in the sequence). The kernel masks only the diagonal pairs, with
+    one constant triangle: no compiled boolean array is larger than one block's mask."""
+    b, s, n, k, h, blk, layers = 1, 256, 4, 2, 8, 32, 3
+
+    def layer(x, w):
+        q = x @ w
+        return blockwise_attention(q, q[:, :, :k], q[:, :, :k], block_q=blk, block_k=blk) + x, None
+
+    def loss(x, w):
+        return jax.lax.scan(layer, x, w)[0].sum()
+
+    x = jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)
+    w = jax.ShapeDtypeStruct((layers, h, h), jnp.float32)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    masks = {tuple(map(int, d.split(","))) for d in re.findall(r"pred\[([0-9,]+)\]", text)}
+    assert masks and max(math.prod(m) for m in masks) == b * n * blk * blk  # K x G = N heads
 
 
 def test_splash_in_the_pallas_interpreter_equals_the_reference():
