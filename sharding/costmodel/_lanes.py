@@ -108,13 +108,17 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
                    for q in s.params if q.role == "layer" and len(q.shape) >= 3)  # fmt: skip
     head_mm = sum(q.size for q in s.params
                   if q.role == "head" or (q.role == "table" and tied(s.params)))  # fmt: skip
+    # The expert kernels [L, E, D, F]: einsums with an expert batch dimension, which remat dots
+    # does not keep (they run again in the backward, with attention's products).
+    expert_mm = sum(q.size * s.expert_share for q in s.params
+                    if q.role == "layer" and len(q.shape) == 4 and "experts" in q.logical)  # fmt: skip
     # q.k and p.v per token per layer, forward, against the keys it is scored with
     attn = 4 * s.attention_keys * cfg.n_heads * cfg.head_dim
     tokens = rows * s.local_seq  # per device: the sequence is split over context
 
     def layer_fwd(tokens: int, layers: float, part: str = "all") -> float:
         per = {"all": 2 * layer_mm / cfg.n_layers + attn, "mm": 2 * layer_mm / cfg.n_layers,
-               "attn": attn}  # fmt: skip
+               "attn": attn, "again": attn + 2 * expert_mm / cfg.n_layers}  # fmt: skip
         return tokens * layers * per[part] / t
 
     def layer_bwd(tokens: int, layers: float) -> float:
@@ -124,16 +128,19 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
 
     head = 6 * tokens * head_mm / t
     extra = s.remat == "full"
+    again = s.remat == "dots"  # dots keeps the projections, recomputes attention and experts
     if s.schedule is None:
         fwd = layer_fwd(tokens, cfg.n_layers)
-        total = fwd * (1 + extra) + layer_bwd(tokens, cfg.n_layers) + head
+        total = (fwd * (1 + extra) + layer_bwd(tokens, cfg.n_layers) + head
+                 + again * layer_fwd(tokens, cfg.n_layers, "again"))  # fmt: skip
         return total, total, None
     sched = s.schedule
     m, chunk = sched.microbatches, cfg.n_layers / p / sched.repeats
     stage, stage_bwd = layer_fwd(tokens // m, chunk), layer_bwd(tokens // m, chunk)
+    stage_bwd += again * layer_fwd(tokens // m, chunk, "again")
     if not sched.explicit:
         # gpipe/circular: every tick runs (bubble ticks on zeros); remat full recomputes each
-        # layer once in backward, none and dots recompute no matmul. The head follows the
+        # layer once in backward, dots its attention's products, none nothing. The head follows the
         # stack on 1/p of the rows per stage where they divide (no fsdp), else on all of them.
         total = (stage * (1 + extra) + stage_bwd) * sched.ticks + (
             head / p if rows_over_stages(s) else head

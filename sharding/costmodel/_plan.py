@@ -163,7 +163,7 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
         f"{fmt_bytes(budget)} per device; float32 master weights, {dtype} compute, {optimizer}.",
         f"Attention: {kind!r} ({ATTENTION_NOTE['xla' if kind == 'xla' else 'flash']}).",
         f"Searched every factorisation of the {tgt.devices} devices each strategy can use, "
-        f"pipelines under gpipe, 1f1b, zb-h1 and interleaved, remat none and full.",
+        f"pipelines under gpipe, 1f1b, zb-h1 and interleaved, remat none, dots and full.",
     ]
     return PlanResult(family.NAME, cfg.name, cfg.n_layers, tgt, budget, batch, seq, dtype,
                       optimizer, "formula", elapsed, ranked, top, assumptions, notes)  # fmt: skip

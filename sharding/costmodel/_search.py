@@ -5,8 +5,8 @@ fed one of two ways:
 
 - `candidates`, for the language-model families with closed forms: every layout `layouts(...,
   search=True)` lists (each factorisation of the devices over the axes a strategy uses, with
-  what the model calls for, `called_for`; pipelines under `SEARCH_SCHEDULES`), remat none and
-  full, predicted by `predict`, priced by `work_from_prediction`; nothing compiles (70B: 1 s).
+  what the model calls for, `called_for`; pipelines under `SEARCH_SCHEDULES`), remat none, dots
+  and full, predicted by `predict`, priced by `work_from_prediction`; nothing compiles (70B: 1 s).
 - `compiled_candidates`, for any other workload: a few layouts per strategy (`few_layouts`) are
   compiled ahead of time for the target's device count from abstract shapes and priced from the
   compiled program, by compare's own path (`sharding.comparison.evaluate`).
@@ -32,7 +32,8 @@ from sharding.costmodel._stepwork import work_from_prediction
 from sharding.pipeline import PipelineConfigError, ScheduleError
 from sharding.targets import Target, target
 
-REMATS = ("none", "full")  # the closed-form search tries both; compiled layouts run "none"
+# The closed-form search tries every policy; compiled layouts run "none".
+REMATS = ("none", "dots", "full")
 # The most layouts `compiled_candidates` compiles for one workload (each is a full AOT compile).
 MAX_COMPILES = 16
 

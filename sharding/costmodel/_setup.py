@@ -139,8 +139,8 @@ def setup(
         cfg = family.config(cfg)
     if dtype not in DTYPE_BYTES:
         raise CostModelError(f"unknown dtype {dtype!r}; choose one of {list(DTYPE_BYTES)}")
-    if remat not in ("none", "full"):
-        raise CostModelError(f"remat {remat!r} is not modelled; choose 'none' or 'full'")
+    if remat not in ("none", "dots", "full"):
+        raise CostModelError(f"remat {remat!r} is not modelled; choose 'none', 'dots' or 'full'")
     sizes = MeshSpec.of(dict(mesh_sizes)).sizes
     if -1 in sizes.values():
         raise CostModelError(f"mesh sizes {mesh_sizes} have a -1 axis; give every size")
