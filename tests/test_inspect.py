@@ -24,6 +24,7 @@ from sharding.inspection import (
     compile_and_inspect,
     inspect_compiled,
     parse_collectives,
+    widened_bytes,
 )
 
 F32 = 4
@@ -201,7 +202,15 @@ def test_report_to_dict_and_rich(dp_grad):
         {"kind": "all-reduce", "axes": ["data"], **data["collectives"]["all-reduce"]}
     ]
     assert data["ops"][0]["axes"] == ["data"] and data["extra"] == {"bubble": 0.25}
-    assert set(data["memory"]) == {"argument", "output", "temp", "alias", "generated_code", "peak"}
+    assert set(data["memory"]) == {
+        "argument",
+        "output",
+        "temp",
+        "alias",
+        "generated_code",
+        "peak",
+        "widened",
+    }
     console = Console(file=io.StringIO(), width=160)
     console.print(dp_grad)
     text = console.file.getvalue()
@@ -293,3 +302,28 @@ def test_allocated_memory_counts_the_temporaries_that_cpu_peak_leaves_out():
         argument=10, output=8, temp=100, alias=0, generated_code=0, peak=None
     )
     assert donated_less.allocated == 118
+
+
+@pytest.mark.parametrize(("dtype", "remat", "per_token"), [
+    ("bfloat16", "dots", 2 * 64 + 384),  # input, o, and the column outputs q, k, v, gate, up
+    ("bfloat16", "full", 64),  # the layer inputs alone
+    ("float32", "dots", 0),  # nothing to widen
+])  # fmt: skip
+def test_float32_copies_of_bfloat16_stacks_are_found_and_left_out_of_native_memory(
+    dtype, remat, per_token
+):
+    """XLA:CPU slices no bfloat16: a layer stack's saved activations, stacked in bfloat16 by the
+    forward loop, reach the backward loop as float32 copies. `widened_bytes` counts what the
+    copies add (their bfloat16 size): exactly what the remat policy keeps, per layer and token
+    (llama tiny, 4 layers, 8 x 32 tokens on one device), and ``native`` leaves it out."""
+    import models
+    from sharding import Workload, build_program
+
+    cfg = models.llama.config("tiny")
+    prog = build_program(Workload.from_family(models.llama, cfg), "dp", "data=1", batch=8,
+                         seq=32, remat=remat, compute_dtype=dtype,
+                         devices=jax.devices()[:1])  # fmt: skip
+    memory = prog.report().memory
+    assert memory.widened == widened_bytes(prog.compiled.as_text())
+    assert memory.widened == cfg.n_layers * 8 * 32 * 2 * per_token
+    assert memory.native == memory.allocated - memory.widened

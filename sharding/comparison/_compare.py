@@ -181,6 +181,11 @@ def compare(
     if measure and not real:
         notes.append("'here' times steps on this host's simulated devices: they share its "
                      "cores, so pipelines and collectives there predict no cluster")  # fmt: skip
+    if widened := max((c.widened for c in found), default=0):
+        notes.append(f"memory counts bfloat16 arrays in bfloat16: XLA:CPU carries whole "
+                     f"bfloat16 arrays it slices (a layer stack's saved activations) as float32 "
+                     f"copies, up to {fmt_bytes(widened)} per device here, which a GPU or TPU "
+                     f"does not (sharding.inspection.widened_bytes)")  # fmt: skip
     name, size_name = _names(work)
     result = Comparison(
         name, size_name, work.param_count(), tgt, settings, dtypes,

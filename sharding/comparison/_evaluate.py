@@ -59,7 +59,9 @@ class Candidate:
     split: str  # what the compiled program splits: "batch data(8)\nweights fsdp(8)"
     param_bytes: int
     state_bytes: int
-    allocated: int | None  # what the compiled step allocates per device
+    # What the compiled step allocates per device, bfloat16 arrays counted in bfloat16 (XLA:CPU
+    # carries some as float32 copies: ``widened`` bytes, `sharding.inspection.widened_bytes`).
+    allocated: int | None
     collectives: list[dict[str, Any]]  # {kind, axes, count, bytes}, one per (kind, axes)
     collective_bytes: int
     matmul_flops: float  # executed; an explicit pipeline's busiest stage (lanes run or skip)
@@ -72,6 +74,7 @@ class Candidate:
     unit: str
     measured_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    widened: int = 0
 
     @property
     def label(self) -> str:
@@ -162,7 +165,8 @@ def evaluate(
         mesh_sizes=dict(program.mesh.shape), split=_split_text(program),
         param_bytes=state_bytes(program.abstract_state["params"], program.param_shardings),
         state_bytes=state_bytes(program.abstract_state, program.state_shardings),
-        allocated=None if report.memory is None else report.memory.allocated,
+        allocated=None if report.memory is None else report.memory.native,
+        widened=0 if report.memory is None else report.memory.widened,
         collectives=by_axes, collective_bytes=report.collective_bytes(),
         matmul_flops=(sw.pipeline or {}).get("busiest_device_flops", report.matmul_flops),
         compile_time_s=program.compile_time_s or 0.0,

@@ -249,7 +249,7 @@ def work_from_report(
             op.kind, op.axes, op.bytes * op.multiplicity, op.multiplicity, "")),
         tokens=tokens, dtype=dtype, unit=unit, memory_bound_bytes=memory_bound_bytes,
         remat=remat, model_flops=model_flops, source="compiled program",
-        memory_bytes=None if mem is None else mem.allocated, notes=notes)  # fmt: skip
+        memory_bytes=None if mem is None else mem.native, notes=notes)  # fmt: skip
     if schedule is None:
         return work
     work.schedule, work.bubble_fraction = schedule.name, schedule.bubble_fraction

@@ -29,6 +29,7 @@ from sharding.inspection._roofline import (
     measure_matmul_peak,
     mfu,
 )
+from sharding.inspection._widened import widened_bytes
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -52,4 +53,5 @@ __all__ = [
     "mfu",
     "parse_collectives",
     "summarize",
+    "widened_bytes",
 ]

@@ -27,6 +27,7 @@ from sharding.inspection._hlo import (
     parse_collectives,
     summarize,
 )
+from sharding.inspection._widened import widened_bytes
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -53,6 +54,7 @@ class MemoryStats:
     alias: int
     generated_code: int
     peak: int | None
+    widened: int = 0  # float32 copies XLA:CPU carries of whole bfloat16 arrays (`widened_bytes`)
 
     @property
     def allocated(self) -> int:
@@ -63,6 +65,14 @@ class MemoryStats:
         more than the arguments and leaves the temporaries out.
         """
         return self.argument + self.output - self.alias + self.temp
+
+    @property
+    def native(self) -> int:
+        """`allocated` as a backend whose slices take bfloat16 holds the program: less
+        ``widened``, what XLA:CPU's float normalisation adds by carrying whole bfloat16 arrays
+        (a layer stack's saved activations) as float32 copies. ``allocated`` itself for float32
+        programs and off CPU."""
+        return self.allocated - self.widened
 
 
 @dataclass
@@ -201,7 +211,7 @@ def inspect_compiled(
     if mesh is None:
         shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
         mesh = next((s.mesh for s in shardings if isinstance(s, jshard.NamedSharding)), None)
-    memory, cost = None, _analysis(compiled, "cost_analysis")
+    memory, cost, hlo_text = None, _analysis(compiled, "cost_analysis"), compiled.as_text()
     if isinstance(cost, list | tuple):  # older jax gave one dict per program
         cost = cost[0] if cost else None
     cost = cost or {}  # and a collective-only program has no "flops"
@@ -211,9 +221,9 @@ def inspect_compiled(
         memory = MemoryStats(
             **{f: int(getattr(stats, f"{f}_size_in_bytes")) for f in fields},
             peak=None if peak is None else int(peak),
+            widened=widened_bytes(hlo_text),
         )
     flops, accessed = cost.get("flops"), cost.get("bytes accessed")
-    hlo_text = compiled.as_text()
     return ProgramReport(
         collectives=parse_collectives(hlo_text, mesh),
         memory=memory,
