@@ -58,6 +58,16 @@ BAD = {
         r"--metrics metrics.jsonl already exists .*pass --overwrite",
     ),
     "metrics-is-a-folder": (["--metrics", "runs"], r"--metrics runs is a folder; give a file"),
+    # A folder no file system here can create (procfs): refused before compiling, not after.
+    "tensorboard-cannot-be-created": (
+        ["--tensorboard", "/proc/spmdkit-tb"],
+        r"--tensorboard /proc/spmdkit-tb cannot be created: no folder can be made in /proc "
+        r"\(.*\); give a folder where you can write, e.g. --tensorboard tb/run1",
+    ),
+    "profile-cannot-be-created": (
+        ["--profile", "/proc/spmdkit-traces", "--profile-steps", "1:2"],
+        r"--profile /proc/spmdkit-traces cannot be created: no folder can be made in /proc",
+    ),
     "bin-without-dtype": (
         ["--data", "tokens.bin"],
         r"suffix '.bin' does not say .*--data-dtype uint16 or --data-dtype "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,8 @@ class TrainConfig:
 
         Checks ranges and choices, settings that need each other, and the output paths
         (``metrics``' folder exists and the file does not unless ``overwrite``;
-        ``checkpoint_dir``, ``profile`` and ``tensorboard`` are not files). Creates and writes
-        nothing.
+        ``checkpoint_dir``, ``profile`` and ``tensorboard`` are not files, and can be created
+        where missing). Leaves nothing behind (the probe's empty folder is removed at once).
         """
         self._check_numbers()
         self._check_choices()
@@ -294,7 +295,9 @@ class TrainConfig:
 
 
 def check_folder(folder: str | os.PathLike, shown: str, example: str) -> None:
-    """Raise `OutputPathError` when ``folder`` is, or lies inside, an existing file."""
+    """Raise `OutputPathError` when ``folder`` is, or lies inside, an existing file, or is
+    missing and cannot be created where its nearest existing folder is (a read-only or virtual
+    file system: ``/proc/x``). The probe makes an empty folder there and removes it at once."""
     path = Path(folder).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
@@ -303,6 +306,15 @@ def check_folder(folder: str | os.PathLike, shown: str, example: str) -> None:
             f"{shown} {os.fspath(folder)} {what}, not a folder; give a folder (created if "
             f"missing), e.g. {shown} {example}"
         )
+    if existing != path:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".spmdkit-probe-", dir=existing))
+        except OSError as e:
+            raise OutputPathError(
+                f"{shown} {os.fspath(folder)} cannot be created: no folder can be made in "
+                f"{existing} ({e.strerror}); give a folder where you can write, e.g. {shown} "
+                f"{example}"
+            ) from None
 
 
 def parse_window(window: Any, call: bool = False) -> tuple[int, int]:
