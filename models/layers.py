@@ -226,9 +226,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
         >>> round(float(cross_entropy(jnp.zeros((2, 3, 8)), jnp.zeros((2, 3), jnp.int32))), 4)
         2.0794
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)
-    return -jnp.mean(picked)
+    x = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(x, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(x, axis=-1) - picked)
 
 
 def make_stacked(make_block: Callable[[nnx.Rngs], nnx.Module], n_layers: int, rngs: nnx.Rngs):

@@ -35,7 +35,11 @@ from sharding.inspection import COLLECTIVE_KINDS
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}  # float32 moments per parameter
 # Saved-for-backward coefficients (see the module doc), per token per layer.
 SAVED_MODEL_WIDTHS, SAVED_COLUMN_OUTPUTS = 6, 2.4
-SAVED_SCORE_COPIES, LOGIT_COPIES = 2, 3  # scores + probs; logits, log-softmax, its cotangent
+SAVED_SCORE_COPIES = 2  # scores + probs
+# The loss's float32 logits and their cotangent (`models.layers.cross_entropy` takes the
+# log-sum-exp and the target's logit, keeping no log-softmax), beside the head's output in the
+# compute dtype where that is narrower.
+LOGIT_F32_COPIES = 2
 PIPELINE_FIELDS = ("name", "microbatches", "repeats", "ticks")
 
 
@@ -289,7 +293,8 @@ def predict(
         )
     vocab = cfg.vocab_size / (sz["tensor"] if any(
         "tensor" in q.axes for q in s.params if q.role in ("head", "table")) else 1)  # fmt: skip
-    logits = LOGIT_COPIES * rows * seq * vocab * 4
+    narrow = s.act_bytes if s.act_bytes < 4 else 0  # the head's bfloat16 output, kept too
+    logits = rows * seq * vocab * (LOGIT_F32_COPIES * 4 + narrow)
     sched = s.schedule
     if sched is not None and sched.explicit:  # the head runs per micro-batch, in the F lane
         logits /= sched.microbatches
