@@ -88,10 +88,10 @@ class Config:
         return self.d_model // self.n_heads
 
 
-def _real(name: str, d_model: int, n_layers: int, n_heads: int) -> Config:
+def _real(name: str, d_model: int, n_layers: int, n_heads: int, seq: int = 1024) -> Config:
     return Config(
         name=name, vocab_size=50_304, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        d_ff=4 * d_model, max_seq_len=1024,
+        d_ff=4 * d_model, max_seq_len=seq,
     )  # fmt: skip
 
 
@@ -103,6 +103,25 @@ SIZES: dict[str, Config] = {
     "350m": _real("350m", 1024, 24, 16),
     "774m": _real("774m", 1280, 36, 20),
     "1.5b": _real("1.5b", 1600, 48, 25),
+    # GPT-3 (Brown et al. 2020, Table 2.1): the same architecture at a 2048-token context (its
+    # alternating sparse attention layers aside). 1.3B's table lists 24 heads of 128 on a width
+    # of 2048, which do not tile it: 16 heads of 128 here. 13B's width is 5120 (40 x 128; the
+    # table's 5140 does not divide into its 40 heads).
+    "gpt3-125m": _real("gpt3-125m", 768, 12, 12, 2048),
+    "gpt3-350m": _real("gpt3-350m", 1024, 24, 16, 2048),
+    "gpt3-760m": _real("gpt3-760m", 1536, 24, 16, 2048),
+    "gpt3-1.3b": _real("gpt3-1.3b", 2048, 24, 16, 2048),
+    "gpt3-2.7b": _real("gpt3-2.7b", 2560, 32, 32, 2048),
+    "gpt3-6.7b": _real("gpt3-6.7b", 4096, 32, 32, 2048),
+    "gpt3-13b": _real("gpt3-13b", 5120, 40, 40, 2048),
+    "gpt3-175b": _real("gpt3-175b", 12_288, 96, 96, 2048),
+}
+# Where each size's numbers come from (`spmdkit ... --help` shows them). The vocabulary is
+# GPT-2's 50,257 tokens padded to 50,304 (a multiple of 64), as nanoGPT and Megatron pad it.
+SOURCES: dict[str, str] = {
+    "tiny": "a test model",
+    **{k: "GPT-2, Radford et al. 2019, Table 2" for k in ("124m", "350m", "774m", "1.5b")},
+    **{k: "GPT-3, Brown et al. 2020, Table 2.1" for k in SIZES if k.startswith("gpt3-")},
 }
 
 

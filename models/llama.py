@@ -125,7 +125,33 @@ SIZES: dict[str, Config] = {
         name="70b", vocab_size=32_000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
         head_dim=128, d_ff=28_672, max_seq_len=4096,
     ),
+    # The Llama 3 herd (Dubey et al. 2024, Table 3), under the names people plan them by.
+    "3-8b": Config(
+        name="3-8b", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+        head_dim=128, d_ff=14_336, max_seq_len=8192, rope_theta=500_000.0,
+    ),
+    "3-70b": Config(
+        name="3-70b", vocab_size=128_256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+        head_dim=128, d_ff=28_672, max_seq_len=8192, rope_theta=500_000.0,
+    ),
+    "3.1-405b": Config(
+        name="3.1-405b", vocab_size=128_256, d_model=16_384, n_layers=126, n_heads=128,
+        n_kv_heads=8, head_dim=128, d_ff=53_248, max_seq_len=131_072, rope_theta=500_000.0,
+    ),
 }  # fmt: skip
+# Where each size's numbers come from (`spmdkit ... --help` shows them).
+SOURCES: dict[str, str] = {
+    "tiny": "a test model",
+    "maxtext-tiny": "MaxText's tiny test config",
+    "1b": "Llama 3.2 1B, Meta's config.json",
+    "7b": "Llama 2 7B, Touvron et al. 2023, Table 1",
+    "8b": "Llama 3 8B, Dubey et al. 2024, Table 3",
+    "8b-128k": "Llama 3.1 8B at its 128k context, Dubey et al. 2024",
+    "70b": "Llama 2 70B, Touvron et al. 2023, Table 1",
+    "3-8b": "Llama 3 8B, Dubey et al. 2024, Table 3",
+    "3-70b": "Llama 3 70B, Dubey et al. 2024, Table 3",
+    "3.1-405b": "Llama 3.1 405B, Dubey et al. 2024, Table 3",
+}
 
 
 def config(size: str, **overrides) -> Config:

@@ -130,7 +130,8 @@ CASES = [
     ("family-unknown", lambda t: lambda: get_family("bert"), UnknownFamilyError,
      r"unknown model family 'bert'; known families: 'llama', 'gpt2', 'mlp', 'cnn'"),
     ("size-unknown", lambda t: lambda: llama.config("huge"), ModelConfigError,
-     r"unknown llama size 'huge'; known sizes: 'tiny', 'maxtext-tiny', '1b', '7b', '8b', '8b-128k', '70b'$"),
+     r"unknown llama size 'huge'; known sizes: 'tiny', 'maxtext-tiny', '1b', '7b', '8b', '8b-128k', "
+     r"'70b', '3-8b', '3-70b', '3.1-405b'$"),
     ("layers-zero", lambda t: lambda: llama.config("tiny", n_layers=0), ModelConfigError,
      r"llama config 'tiny': must be positive ints: n_layers=0; use whole numbers >= 1"),
     ("sizes-negative", lambda t: lambda: gpt2.config("tiny", d_model=-64, d_ff=-1),

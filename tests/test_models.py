@@ -175,6 +175,28 @@ def test_param_counts_of_known_models():
     assert gpt2.param_count(gpt2.config("124m")) == 124_439_808 + 47 * 768
 
 
+# The published models people plan for, with the totals their papers give (Llama 3: Dubey et
+# al. 2024, Table 3 and the model cards; GPT-3: Brown et al. 2020, Table 2.1).
+PUBLISHED = [(llama, "3-8b", 8.03e9), (llama, "3-70b", 70.6e9), (llama, "3.1-405b", 405.9e9),
+             (gpt2, "gpt3-125m", 125e6), (gpt2, "gpt3-350m", 350e6), (gpt2, "gpt3-760m", 760e6),
+             (gpt2, "gpt3-1.3b", 1.3e9), (gpt2, "gpt3-2.7b", 2.7e9), (gpt2, "gpt3-6.7b", 6.7e9),
+             (gpt2, "gpt3-13b", 13e9), (gpt2, "gpt3-175b", 175e9)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fam", "size", "total"), PUBLISHED, ids=[p[1] for p in PUBLISHED])
+def test_published_sizes_have_their_papers_parameter_counts(fam, size, total):
+    """Within 2% of the published total (GPT-3's are rounded to two figures, its vocabulary
+    padded here), and each names its source for --help."""
+    cfg = fam.config(size)
+    assert fam.param_count(cfg) == pytest.approx(total, rel=0.02)
+    assert fam.SOURCES[size].split(",")[0] in ("Llama 3 8B", "Llama 3 70B", "Llama 3.1 405B",
+                                               "GPT-3")  # fmt: skip
+    if fam is llama:
+        assert (cfg.vocab_size, cfg.n_kv_heads, cfg.rope_theta) == (128_256, 8, 500_000.0)
+    else:
+        assert (cfg.max_seq_len, cfg.d_ff) == (2048, 4 * cfg.d_model)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_forward_shape_loss_and_scan_equals_layer_loop(name):
     _, cfg, model, batch = tiny(name)

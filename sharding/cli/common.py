@@ -54,9 +54,12 @@ def add_command(
     )
 
 
-def sizes_text(family: str) -> str:
-    """``"tiny, 124m, 350m"``: the named sizes of a family, for help texts and errors."""
-    return ", ".join(models.get_family(family).SIZES)
+def sizes_text(family: str, sources: bool = False) -> str:
+    """``"tiny, 124m, 350m"``: the named sizes of a family, for help texts and errors; with
+    ``sources``, each followed by where its numbers come from (the family's ``SOURCES``)."""
+    fam = models.get_family(family)
+    known = getattr(fam, "SOURCES", {}) if sources else {}
+    return ", ".join(f"{s} ({known[s]})" if s in known else s for s in fam.SIZES)
 
 
 def add_model_args(
@@ -67,7 +70,7 @@ def add_model_args(
     size_help: str = "",
 ) -> None:
     families = tuple(families or sorted(models.FAMILIES))
-    sizes = "; ".join(f"{f}: {sizes_text(f)}" for f in families)
+    sizes = "; ".join(f"{f}: {sizes_text(f, sources=True)}" for f in families)
     p.add_argument("--model", default="llama" if "llama" in families else families[0],
                    metavar="NAME|MODULE:ATTR",
                    help=f"a shipped model ({', '.join(families)}), or your own: "

@@ -6,7 +6,7 @@ around, and the simplifier then moves the converts out of the loops, so whole bf
 are carried as float32 copies from one loop to the next. A layer stack's saved activations are
 the large case: ``[L, B, S, F]`` stacked in bfloat16 by the forward loop, converted whole to
 float32 after it and read by the backward loop in float32 (Llama-3-8B at 8192 x 2 per device
-under fsdp=8 and remat dots: 42 GiB of its 132 GiB). A GPU or TPU, whose slices take bfloat16,
+under fsdp=8 and remat dots: 42 GiB of its 124 GiB). A GPU or TPU, whose slices take bfloat16,
 keeps those arrays in bfloat16.
 
 `widened_bytes` finds the copies in the optimized HLO text: a ``convert`` (or a loop fusion that
