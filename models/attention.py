@@ -27,7 +27,9 @@ the online softmax another way (over a ring of devices, say).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +212,26 @@ KERNEL = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class OnlineSoftmax:
+    """The online (flash) softmax one block at a time, with the whole-matrix reference: what
+    `blockwise_attention` is built from and what context parallelism's kernels run on the
+    blocks they hold (`sharding.context`, given as ``Workload(attention_core=ONLINE_SOFTMAX)``),
+    so one implementation serves both."""
+
+    grouped: Callable
+    scores: Callable
+    forward_block: Callable
+    finish: Callable
+    backward_block: Callable
+    masked_attention: Callable
+    causal_mask: Callable
+
+
+ONLINE_SOFTMAX = OnlineSoftmax(grouped, scores, forward_block, finish, backward_block,
+                               masked_attention, causal_mask)  # fmt: skip
+
+
 def kernel(kind: str = "auto"):
     """The attention kernel named ``kind`` (see the module doc), checked to run on this host.
 
@@ -226,7 +248,9 @@ __all__ = [
     "F32",
     "KINDS",
     "NEG",
+    "ONLINE_SOFTMAX",
     "AttentionKernelError",
+    "OnlineSoftmax",
     "auto_attention",
     "backward_block",
     "blockwise_attention",

@@ -53,6 +53,7 @@ INPUT = "inputs"
 # The kernel seam (`models.kernels`): a trainer may run attention distributed inside it.
 use_kernels = kernels.use
 attention_kernel = attention.kernel  # kind -> kernel, for Workload(attention=)
+attention_core = attention.ONLINE_SOFTMAX  # for Workload(attention_core=)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,7 @@ INPUT = "inputs"
 # The kernel seam: a trainer may run the experts expert-parallel (and attention distributed).
 use_kernels = kernels.use
 attention_kernel = attention.kernel  # kind -> kernel, for Workload(attention=)
+attention_core = attention.ONLINE_SOFTMAX  # for Workload(attention_core=)
 loss_from_logits = llama.loss_from_logits  # the cross-entropy alone (the aux loss is not in logits)
 batch_shapes = llama.batch_shapes
 make_batch = llama.make_batch

@@ -65,6 +65,11 @@ class Workload:
         attention: ``kind -> kernel``, the attention kernels the model offers by name
             (`models.attention.kernel`: "blockwise", "xla", "cudnn", "splash"), for
             ``build_program(..., attention=kind)``; None: only the model's own.
+        attention_core: the online softmax the model's attention is built from
+            (`models.attention.ONLINE_SOFTMAX`: block steps ``grouped``, ``scores``,
+            ``forward_block``, ``finish``, ``backward_block`` and the reference
+            ``masked_attention``, ``causal_mask``), which context parallelism's kernels run on
+            the blocks they hold; None: no context parallelism.
         family, config: set for the shipped families (closed-form cost predictions).
     """
 
@@ -80,6 +85,7 @@ class Workload:
     check_batch: Callable[[dict], None] | None = None
     kernels: Callable[..., Any] | None = None
     attention: Callable[[str], Callable] | None = None
+    attention_core: Any = None
     family: Any = None
     config: Any = None
 
@@ -151,6 +157,7 @@ class Workload:
             check_batch=lambda batch: family.check_batch(cfg, batch),
             kernels=getattr(family, "use_kernels", None),
             attention=getattr(family, "attention_kernel", None),
+            attention_core=getattr(family, "attention_core", None),
             family=family,
             config=cfg,
         )

@@ -45,11 +45,14 @@ def full_attention(q, k, v):
 
 
 # name -> (factory, zigzag layout in and out, single-device reference)
+# Each runs the model's online softmax on its blocks (`models.attention.ONLINE_SOFTMAX`, the one
+# `blockwise_attention` is built from).
+CORE = models.attention.ONLINE_SOFTMAX
 KERNELS = {
-    "allgather": (allgather_attention, True, causal_attention),
-    "ring": (ring_attention, True, causal_attention),
-    "ring-noncausal": (lambda m: ring_attention(m, causal=False), False, full_attention),
-    "ulysses": (ulysses_attention, False, causal_attention),
+    "allgather": (lambda m: allgather_attention(m, CORE), True, causal_attention),
+    "ring": (lambda m: ring_attention(m, CORE), True, causal_attention),
+    "ring-noncausal": (lambda m: ring_attention(m, CORE, causal=False), False, full_attention),
+    "ulysses": (lambda m: ulysses_attention(m, CORE), False, causal_attention),
 }
 KERNEL_MESHES = ("data=2,context=4", "data=2,context=2,tensor=2")
 
@@ -234,7 +237,17 @@ def test_unknown_or_pointless_methods_are_refused():
     with pytest.raises(ContextParallelError, match=r"mesh has context=1"):
         build_program(workload(), "dp", "data=8", batch=BATCH, seq=SEQ, context_method="ring")
     with pytest.raises(ContextParallelError, match=r"context=1.*context=4"):
-        ring_attention(make_mesh("data=8"))
+        ring_attention(make_mesh("data=8"), CORE)
+
+
+def test_a_workload_without_its_online_softmax_is_refused_context_parallelism():
+    """The kernels run the model's own online softmax: one implementation, the model's."""
+    import dataclasses
+
+    bare = dataclasses.replace(workload(), attention_core=None)
+    with pytest.raises(ContextParallelError, match=r"workload 'llama-tiny' gives none; pass "
+                       r"attention_core=models.attention.ONLINE_SOFTMAX in its Workload"):  # fmt: skip
+        build_program(bare, "cp", "data=2,context=4", batch=BATCH, seq=SEQ)
 
 
 def test_context_inside_a_pipeline_needs_a_strategy_that_splits_the_sequence():

@@ -49,17 +49,14 @@ def add_command(
 ) -> argparse.ArgumentParser:
     """A subcommand parser whose --help shows defaults and ends with runnable examples."""
     epilog = "examples:\n" + "\n".join(f"  spmdkit {name} {e}".rstrip() for e in examples)
-    return sub.add_parser(
-        name, help=help, description=doc, epilog=epilog, formatter_class=HelpFormatter
-    )
+    return sub.add_parser(name, help=help, description=doc, epilog=epilog,
+                          formatter_class=HelpFormatter)  # fmt: skip
 
 
 def sizes_text(family: str, sources: bool = False) -> str:
-    """``"tiny, 124m, 350m"``: the named sizes of a family, for help texts and errors; with
-    ``sources``, each followed by where its numbers come from (the family's ``SOURCES``)."""
-    fam = models.get_family(family)
-    known = getattr(fam, "SOURCES", {}) if sources else {}
-    return ", ".join(f"{s} ({known[s]})" if s in known else s for s in fam.SIZES)
+    """``"tiny, 124m"``: a family's sizes (with ``sources``: each with its ``SOURCES`` entry)."""
+    known = getattr(fam := models.get_family(family), "SOURCES", {})
+    return ", ".join(f"{s} ({known[s]})" if sources and s in known else s for s in fam.SIZES)
 
 
 def add_model_args(

@@ -1,7 +1,8 @@
 """Context parallelism: attention over a sequence split on the ``context`` mesh axis.
 
 Kernels (`allgather_attention`, `ring_attention`, `ulysses_attention`) with the model seam's
-signature (`models.kernels`), the zigzag layout that balances causal work (`zigzag_positions`,
+signature (`models.kernels`), each running the model's online softmax on its blocks (the
+workload's ``attention_core``), the zigzag layout that balances causal work (`zigzag_positions`,
 `to_zigzag`, `from_zigzag`, `batch_reorder`, `positions_kernel`), and the closed forms of the
 bytes each moves (`context_traffic`).
 """

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,6 @@ from jax import sharding as jshard
 
 from sharding._manual import manual_axes
 from sharding._mesh import BATCH_AXES, SEQUENCE_AXIS
-from sharding.context._blocks import causal_mask, masked_attention
 from sharding.context._errors import ContextParallelError
 from sharding.context._layout import check_balanced_seq, zigzag_positions
 from sharding.context._ring import ring_local
@@ -97,11 +97,13 @@ def _check_gqa(who: str, q, k) -> None:
         )
 
 
-def allgather_attention(mesh: jshard.Mesh) -> Kernel:
-    """Causal attention with K/V all-gathered over ``context``, input in the zigzag layout.
+def allgather_attention(mesh: jshard.Mesh, core: Any) -> Kernel:
+    """Causal attention with K/V all-gathered over ``context``, input in the zigzag layout;
+    ``core`` is the model's online softmax (`Workload.attention_core`), whose whole-matrix
+    ``masked_attention`` runs on the local queries.
 
     Example:
-        >>> attend = allgather_attention(make_mesh("data=2,context=4"))  # doctest: +SKIP
+        >>> attend = allgather_attention(make_mesh("data=2,context=4"), ONLINE_SOFTMAX)  # doctest: +SKIP
         >>> out = jax.jit(attend)(to_zigzag(q, 4), to_zigzag(k, 4), to_zigzag(v, 4))  # doctest: +SKIP
     """
     who = "allgather_attention"
@@ -113,7 +115,7 @@ def allgather_attention(mesh: jshard.Mesh) -> Kernel:
         q_pos = lax.dynamic_slice_in_dim(order, lax.axis_index(AXIS) * s_local, s_local)
         k_all = lax.all_gather(k, AXIS, axis=1, tiled=True)
         v_all = lax.all_gather(v, AXIS, axis=1, tiled=True)
-        return masked_attention(q, k_all, v_all, q_pos[:, None] >= order[None, :])
+        return core.masked_attention(q, k_all, v_all, q_pos[:, None] >= order[None, :])
 
     def check(q, k):
         _check_gqa(who, q, k)
@@ -122,18 +124,19 @@ def allgather_attention(mesh: jshard.Mesh) -> Kernel:
     return _sharded(mesh, local, check)
 
 
-def ring_attention(mesh: jshard.Mesh, *, causal: bool = True) -> Kernel:
-    """Ring attention over ``context``; ``causal=True`` takes its input in the zigzag layout,
+def ring_attention(mesh: jshard.Mesh, core: Any, *, causal: bool = True) -> Kernel:
+    """Ring attention over ``context``, each block folded by ``core`` (the model's online
+    softmax, `Workload.attention_core`); ``causal=True`` takes its input in the zigzag layout,
     ``causal=False`` (full attention, every key seen) in any layout.
 
     Example:
-        >>> attend = ring_attention(make_mesh("context=8"), causal=False)  # doctest: +SKIP
+        >>> attend = ring_attention(make_mesh("context=8"), ONLINE_SOFTMAX, causal=False)  # doctest: +SKIP
     """
     who = "ring_attention"
     c = _context_size(mesh, who)
 
     def local(q, k, v):
-        return ring_local(AXIS, c, causal, q, k, v)
+        return ring_local(AXIS, c, causal, core, q, k, v)
 
     def check(q, k):
         _check_gqa(who, q, k)
@@ -163,9 +166,10 @@ def check_ulysses_heads(n_heads: int, n_kv_heads: int, context: int, tensor: int
         )
 
 
-def ulysses_attention(mesh: jshard.Mesh) -> Kernel:
+def ulysses_attention(mesh: jshard.Mesh, core: Any) -> Kernel:
     """Causal attention by all-to-all over ``context``: sequence-split in, head-split inside
-    (``heads / c`` heads over the whole sequence), sequence-split out. Written order in and out.
+    (``heads / c`` heads over the whole sequence, ``core.masked_attention``), sequence-split
+    out. Written order in and out.
     """
     who = "ulysses_attention"
     c = _context_size(mesh, who)
@@ -174,7 +178,7 @@ def ulysses_attention(mesh: jshard.Mesh) -> Kernel:
     def local(q, k, v):
         to_heads = lambda x: lax.all_to_all(x, AXIS, 2, 1, tiled=True)  # noqa: E731
         q, k, v = to_heads(q), to_heads(k), to_heads(v)
-        out = masked_attention(q, k, v, causal_mask(q.shape[1], k.shape[1]))
+        out = core.masked_attention(q, k, v, core.causal_mask(q.shape[1], k.shape[1]))
         return lax.all_to_all(out, AXIS, 1, 2, tiled=True)
 
     def check(q, k):
@@ -189,7 +193,7 @@ def ulysses_attention(mesh: jshard.Mesh) -> Kernel:
     return _sharded(mesh, local, check)
 
 
-FACTORIES: dict[str, Callable[[jshard.Mesh], Kernel]] = {
+FACTORIES: dict[str, Callable[[jshard.Mesh, Any], Kernel]] = {
     "ring": ring_attention,
     "allgather": allgather_attention,
     "ulysses": ulysses_attention,

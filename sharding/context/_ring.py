@@ -28,14 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sharding.context._blocks import (
-    F32,
-    backward_block,
-    causal_mask,
-    finish,
-    forward_block,
-    grouped,
-)
+F32 = jnp.float32
 
 
 def _shift(axis: str, c: int, *xs: jax.Array) -> tuple[jax.Array, ...]:
@@ -49,8 +42,9 @@ def _halves(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return lax.slice_in_dim(x, 0, half, axis=axis), lax.slice_in_dim(x, half, None, axis=axis)
 
 
-def _fold(acc, q, k, v, r, i, causal: bool):
+def _fold(core, acc, q, k, v, r, i, causal: bool):
     """Fold the block received at ring step ``r`` into ``acc`` (only its live half if causal)."""
+    forward_block = core.forward_block
     if not causal:
         return forward_block(acc, q, k, v)
 
@@ -66,24 +60,26 @@ def _fold(acc, q, k, v, r, i, causal: bool):
     return lax.cond(r <= i, all_queries_head_keys, tail_queries_all_keys, acc, q, k, v)
 
 
-def _forward(axis: str, c: int, causal: bool, q, k, v):
-    qg, i = grouped(q, k.shape[2]), lax.axis_index(axis)
+def _forward(axis: str, c: int, causal: bool, core, q, k, v):
+    qg, i = core.grouped(q, k.shape[2]), lax.axis_index(axis)
     # Each step sends the block it holds on before folding it in: the shift and the block's
     # work are independent, so the transfer can run under the compute.
     nxt = _shift(axis, c, k, v)
-    acc = forward_block(None, qg, k, v, causal_mask(q.shape[1], k.shape[1]) if causal else None)
+    mask = core.causal_mask(q.shape[1], k.shape[1]) if causal else None
+    acc = core.forward_block(None, qg, k, v, mask)
 
     def step(carry, r):
         acc, k, v = carry  # the block of ring step r
         nxt = _shift(axis, c, k, v)
-        return (_fold(acc, qg, k, v, r, i, causal), *nxt), None
+        return (_fold(core, acc, qg, k, v, r, i, causal), *nxt), None
 
     (acc, k, v), _ = lax.scan(step, (acc, *nxt), jnp.arange(1, c - 1))
-    return finish(_fold(acc, qg, k, v, c - 1, i, causal), q.shape, q.dtype)
+    return core.finish(_fold(core, acc, qg, k, v, c - 1, i, causal), q.shape, q.dtype)
 
 
-def _backward(axis: str, c: int, causal: bool, res, d_out):
+def _backward(axis: str, c: int, causal: bool, core, res, d_out):
     q, k, v, out, lse = res
+    grouped, backward_block = core.grouped, core.backward_block
     qg, i = grouped(q, k.shape[2]), lax.axis_index(axis)
     s, kh = qg.shape[1], qg.shape[2]
     as_bkgsh = lambda x: jnp.einsum("bskgh->bkgsh", grouped(x, kh).astype(F32))  # noqa: E731
@@ -111,8 +107,8 @@ def _backward(axis: str, c: int, causal: bool, res, d_out):
         return lax.cond(r <= i, head_keys, tail_queries, dq, k, v, dk, dv)
 
     nxt = _shift(axis, c, k, v)
-    dq, dk, dv = backward_block(qg, k, v, do, lse, delta, causal_mask(s, k.shape[1]) if causal
-                                else None)  # fmt: skip
+    dq, dk, dv = backward_block(qg, k, v, do, lse, delta,
+                                core.causal_mask(s, k.shape[1]) if causal else None)  # fmt: skip
     dk, dv = _shift(axis, c, dk, dv)  # each accumulator follows its block one step behind
 
     def step(carry, r):
@@ -127,14 +123,15 @@ def _backward(axis: str, c: int, causal: bool, res, d_out):
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def ring_local(axis: str, c: int, causal: bool, q, k, v):
-    """Ring attention on one device's slice ``[B, S/c, ...]`` (call inside a shard_map)."""
-    return _forward(axis, c, causal, q, k, v)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def ring_local(axis: str, c: int, causal: bool, core, q, k, v):
+    """Ring attention on one device's slice ``[B, S/c, ...]`` (call inside a shard_map), its
+    blocks folded by ``core`` (the model's online softmax, `Workload.attention_core`)."""
+    return _forward(axis, c, causal, core, q, k, v)[0]
 
 
-def _ring_fwd(axis, c, causal, q, k, v):
-    out, lse = _forward(axis, c, causal, q, k, v)
+def _ring_fwd(axis, c, causal, core, q, k, v):
+    out, lse = _forward(axis, c, causal, core, q, k, v)
     return out, (q, k, v, out, lse)
 
 

@@ -107,6 +107,15 @@ def context_kernels(
             f"must call models.kernels.resolve('attention', default), as "
             f"models.layers.SelfAttention does); run it on a mesh with {AXIS}=1"
         )
+    core = getattr(work, "attention_core", None)
+    if core is None:
+        raise ContextParallelError(
+            f"context parallelism runs the model's own online softmax on the blocks each "
+            f"device holds, and workload {name!r} gives none; pass "
+            f"attention_core=models.attention.ONLINE_SOFTMAX in its Workload (as "
+            f"Workload.from_family does for the shipped models), or run it on a mesh with "
+            f"{AXIS}=1"
+        )
     if method == "ulysses":
         check_ulysses_heads(*seam["attention"], c, dict(mesh.shape).get("tensor", 1))
     check_pipelined(name, method, schedule, seam)
@@ -118,7 +127,7 @@ def context_kernels(
             f"default) (models.layers.SelfAttention does, for RoPE), or use "
             f"context_method='ulysses', which keeps the written order"
         )
-    kernels = {"attention": FACTORIES[method](mesh)}
+    kernels = {"attention": FACTORIES[method](mesh, core)}
     if method not in BALANCED:
         if seq % c:
             raise ContextParallelError(
