@@ -38,14 +38,23 @@ def plot(
         ax_t.text(left[i], i, f" {left[i]:.3g}", va="center", fontsize=7)
         if measured and c.measured_step_s is not None:
             ax_t.plot(c.measured_step_s * 1e3, i, "k|", markersize=12)
+    ax_t.set_xlim(0, max(left, default=0) * 1.15 or 1)  # room for the labels
     ax_t.set_title(f"step time on {target.name} (ms, {'measured |' if measured else 'predicted'})",
                    fontsize=10)  # fmt: skip
     ax_t.legend(fontsize=7, loc="lower right")
-    mem = [c.memory_bytes / 2**20 for c in cands]
+    # Memory on a log axis, each bar labelled: a tiny model's MiB and an 80 GiB budget, or
+    # candidates a hundred times apart, stay readable side by side.
+    mem = [max(c.memory_bytes, 1) / 2**20 for c in cands]
+    floor = min([*mem, budget / 2**20]) / 4
     colors = ["tab:green" if c.memory_bytes <= budget else "tab:red" for c in cands]
-    ax_m.barh(rows, mem, color=colors)
+    ax_m.barh(rows, [m - floor for m in mem], left=floor, color=colors)
+    ax_m.set_xscale("log")
+    ax_m.set_xlim(floor, max([*mem, budget / 2**20]) * 4)
+    for i, c in enumerate(cands):
+        ax_m.text(mem[i], i, f" {fmt_bytes(c.memory_bytes)}", va="center", fontsize=7)
     ax_m.axvline(budget / 2**20, color="black", linestyle="--", linewidth=1)
-    ax_m.set_title(f"memory / device (MiB); dashed: budget {fmt_bytes(budget)}", fontsize=10)
+    ax_m.set_title(f"memory / device (MiB, log scale); dashed: budget {fmt_bytes(budget)}",
+                   fontsize=10)  # fmt: skip
     for ax in (ax_t, ax_m):
         ax.grid(axis="x", alpha=0.3)
     ax_t.set_yticks(list(rows), labels, fontsize=7)
