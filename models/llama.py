@@ -91,6 +91,10 @@ class Config:
             )
 
 
+_LLAMA3_8B = Config(
+    name="8b", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+    head_dim=128, d_ff=14_336, max_seq_len=8192, rope_theta=500_000.0,
+)  # fmt: skip
 SIZES: dict[str, Config] = {
     "tiny": Config(
         name="tiny", vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=4,
@@ -111,10 +115,7 @@ SIZES: dict[str, Config] = {
         head_dim=128, d_ff=11_008, max_seq_len=4096,
     ),
     # Llama-3-8B.
-    "8b": Config(
-        name="8b", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-        head_dim=128, d_ff=14_336, max_seq_len=8192, rope_theta=500_000.0,
-    ),
+    "8b": _LLAMA3_8B,
     # Llama-3.1-8B's shape at its 128k context, for planning long sequences (context
     # parallelism). Its rope scaling is not modelled: it costs nothing and changes no shape.
     "8b-128k": Config(
@@ -127,10 +128,7 @@ SIZES: dict[str, Config] = {
         head_dim=128, d_ff=28_672, max_seq_len=4096,
     ),
     # The Llama 3 herd (Dubey et al. 2024, Table 3), under the names people plan them by.
-    "3-8b": Config(
-        name="3-8b", vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-        head_dim=128, d_ff=14_336, max_seq_len=8192, rope_theta=500_000.0,
-    ),
+    "3-8b": dataclasses.replace(_LLAMA3_8B, name="3-8b"),
     "3-70b": Config(
         name="3-70b", vocab_size=128_256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
         head_dim=128, d_ff=28_672, max_seq_len=8192, rope_theta=500_000.0,
