@@ -133,8 +133,9 @@ def _plan(s: int, t: int, block_q: int, block_k: int, causal_offset: int | None)
     first_q = [i * bq + causal_offset for i in range(nq)]
     last_q = [min((i + 1) * bq, s) - 1 + causal_offset for i in range(nq)]
     live = [(i, j) for i in range(nq) for j in range(nk) if j * bk <= last_q[i]]
-    whole = tuple((i, j) for i, j in live if (j + 1) * bk - 1 <= first_q[i] and (j + 1) * bk <= t)
-    pairs = tuple(ij for ij in live if ij not in whole)
+    seen_all = [(j + 1) * bk - 1 <= first_q[i] and (j + 1) * bk <= t for i, j in live]
+    whole = tuple(ij for ij, w in zip(live, seen_all, strict=True) if w)
+    pairs = tuple(ij for ij, w in zip(live, seen_all, strict=True) if not w)
     diagonal = bq == bk and causal_offset == 0 and all(i == j for i, j in pairs)
     return _Plan(bq, bk, nq * bq, nk * bk, pairs, whole, diagonal)
 

@@ -171,9 +171,7 @@ def _column_width(s: Setup, experts: bool = True) -> float:
         for q in s.params
         if q.role == "layer" and len(q.shape) == 4 and q.logical[1:3] == ("experts", "embed")
     )
-    if not experts:
-        return dense
-    return dense + expert * s.cfg.n_experts * s.expert_share if expert else dense
+    return dense + expert * s.cfg.n_experts * s.expert_share if experts and expert else dense
 
 
 def _dots_saved(s: Setup, tokens: int) -> float:

@@ -21,8 +21,10 @@ import math
 import re
 
 # A computation that only converts its one bfloat16 parameter to float32 of the same dims.
-_COMPUTATION = re.compile(
-    r"^%(\S+) \(\S+: bf16\[([0-9,]*)\]\) -> f32\[([0-9,]*)\] \{\n(.*?)\n\}", re.M | re.S
+_CONVERT_ONLY = re.compile(
+    r"^%(\S+) \(\S+: bf16\[([0-9,]*)\]\) -> f32\[\2\] \{\n"
+    r"\s*%\S+ = bf16\[\2\]\S* parameter\(0\)\n\s*ROOT %\S+ = f32\[\2\]\S* convert\(%\S+\)\n\}",
+    re.M,
 )
 _FUSION = re.compile(r"^\s*%(\S+) = f32\[([0-9,]*)\]\S* fusion\([^\n]*?calls=%([^,\s]+)", re.M)
 _CONVERT = re.compile(r"^\s*%(\S+) = f32\[([0-9,]*)\]\S* convert\(%(\S+?)\)", re.M)
@@ -37,13 +39,7 @@ def widened_bytes(hlo_text: str) -> int:
         >>> widened_bytes(compiled.as_text())  # doctest: +SKIP
         45097156608
     """
-    convert_only = {
-        name
-        for name, src, dst, body in _COMPUTATION.findall(hlo_text)
-        if src == dst
-        and [line.split("=", 1)[1].split("(")[0].split()[-1] for line in body.splitlines()]
-        == ["parameter", "convert"]
-    }
+    convert_only = {name for name, _ in _CONVERT_ONLY.findall(hlo_text)}
     bf16 = {name: dims for name, dims in _BF16.findall(hlo_text)}
     copies = {name: dims for name, dims, called in _FUSION.findall(hlo_text)
               if called in convert_only}  # fmt: skip
