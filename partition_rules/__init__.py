@@ -15,6 +15,7 @@ Example:
 """
 
 from partition_rules import cnn, gpt2, llama, llama_moe, mlp, strategies
+from partition_rules._compose import ALIASES, PARTS, Composition, CompositionError, composition
 from partition_rules._presets import (
     FAMILY_RULES,
     AxisRenameError,
@@ -37,13 +38,17 @@ from partition_rules._rules import (
 from partition_rules.strategies import LOGICAL_AXES, PIPELINE_STRATEGIES, STRATEGIES
 
 __all__ = [
+    "ALIASES",
     "FAMILY_RULES",
     "LOGICAL_AXES",
+    "PARTS",
     "PIPELINE_STRATEGIES",
     "STRATEGIES",
     "AxisEntry",
     "AxisMap",
     "AxisRenameError",
+    "Composition",
+    "CompositionError",
     "MalformedRuleError",
     "MeshAxes",
     "PartitionRulesError",
@@ -52,6 +57,7 @@ __all__ = [
     "Rules",
     "UnknownPresetError",
     "cnn",
+    "composition",
     "direct_rules",
     "family_rules",
     "gpt2",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from partition_rules import cnn, gpt2, llama, llama_moe, mlp
+from partition_rules._compose import composition
 from partition_rules._rules import AxisMap, MeshAxes, PartitionRulesError, Rules, UnknownPresetError
 from partition_rules.strategies import STRATEGIES
 
@@ -40,13 +41,15 @@ def family_rules(family: str) -> Rules:
 def strategy(name: str, **names: str | tuple[str, ...]) -> AxisMap:
     """The axis map of a strategy, optionally over your own logical axis names.
 
-    Without keywords: the shipped map (`STRATEGIES[name]`). Each keyword renames one shipped
+    ``name``: a strategy name (`STRATEGIES`) or a composition of parts, e.g. ``"fsdp+tp+pp"``
+    (`partition_rules.composition`). Without keywords: its shipped map. Each keyword renames one shipped
     logical axis (`strategies.LOGICAL_AXES`) to the name your rule table uses, or to a tuple of
     names that all go where it goes. Shipped names you do not rename keep their entries; where
     one of your names equals a shipped name you did not rename, yours wins.
 
     Raises:
-        UnknownPresetError: `name` is not a strategy (the message lists them).
+        UnknownPresetError: `name` is not a strategy or composition (the message lists them;
+            `CompositionError` says which part is wrong).
         AxisRenameError: a keyword that is not a shipped logical axis, one of your names given
             for two shipped names, or a name that is not a non-empty string.
 
@@ -58,11 +61,8 @@ def strategy(name: str, **names: str | tuple[str, ...]) -> AxisMap:
         >>> strategy("fsdp")["embed"]
         'fsdp'
     """
-    if not isinstance(name, str) or name not in STRATEGIES:
-        raise UnknownPresetError(
-            f"unknown strategy {name!r}; strategies that exist: {', '.join(STRATEGIES)}"
-        )
-    base = STRATEGIES[name]
+    base = STRATEGIES.get(name) if isinstance(name, str) else None
+    base = base if base is not None else composition(name).axis_map
     if not names:
         return base
     if "sequence" in names:  # the step compiler reads it by this name: renamed, it would vanish

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+from partition_rules._compose import ALIASES, composition
 from partition_rules._rules import AxisMap
 
 # Every logical axis a family table may use. A strategy maps each of them; a family that uses a
@@ -52,77 +53,11 @@ LOGICAL_AXES = (
     "experts",  # a mixture of experts' expert dimension (llama-moe's [E, D, F] weights)
 )
 
-_REPLICATED = AxisMap({name: None for name in LOGICAL_AXES})
+# Every strategy is a composition of parts (`partition_rules._compose`); today's names are
+# aliases of compositions, their maps built from the parts' blocks in one place.
+STRATEGIES: dict[str, AxisMap] = {name: composition(c).axis_map for name, c in ALIASES.items()}
 
-# Building blocks. `|` raises if two blocks disagree on a name, so the hybrids below are checked
-# for consistency when this module is imported.
-# ZeRO-3 shards every parameter, per-feature vectors included, so that parameter and optimizer
-# bytes per device are the total over fsdp: a replicated remainder would grow with the mesh.
-_FSDP = AxisMap({"embed": "fsdp", "features": "fsdp", "conv_out": "fsdp", "norm": "fsdp"})
-_TP = AxisMap({"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
-               "classes": "tensor"})  # fmt: skip
-_PP = AxisMap({"layers": "stage"})
-# Megatron SP: between the tensor-parallel matmuls (norms, residual adds) each tensor device
-# holds S/t of the sequence, so the per-layer all-reduce becomes all-gather + reduce-scatter.
-_SP = AxisMap({"sequence": "tensor"})
-# Context parallelism: the batch and every activation split over the sequence on `context`.
-_CP = AxisMap({"sequence": "context"})
-# Both: the sequence over context everywhere, and over tensor too between the matmuls.
-_CP_SP = AxisMap({"sequence": ("context", "tensor")})
-# Expert parallelism: each expert's weights live on one `expert` device; tokens travel to them
-# by all-to-all (the batch is split over `expert` too, `sharding.BATCH_AXES`).
-_EP = AxisMap({"experts": "expert"})
-
-
-def _strategy(*blocks: AxisMap) -> AxisMap:
-    named = AxisMap()
-    for block in blocks:
-        named = named | block
-    # Whatever the blocks leave unnamed is replicated, stated explicitly per name.
-    return named | AxisMap({k: v for k, v in _REPLICATED.items() if k not in named})
-
-
-DP = _strategy()
-FSDP = _strategy(_FSDP)
-TP = _strategy(_TP)
-FSDP_TP = _strategy(_FSDP, _TP)
-DP_TP = _strategy(_TP)  # same map as TP: the mesh (data>1) makes it a hybrid
-PP = _strategy(_PP)
-PP_TP = _strategy(_PP, _TP)
-PP_FSDP = _strategy(_PP, _FSDP)
-TP_SP = _strategy(_TP, _SP)
-FSDP_TP_SP = _strategy(_FSDP, _TP, _SP)
-CP = _strategy(_CP)
-FSDP_CP = _strategy(_FSDP, _CP)
-CP_TP_SP = _strategy(_TP, _CP_SP)
-EP = _strategy(_EP)
-FSDP_EP = _strategy(_FSDP, _EP)
-EP_TP = _strategy(_EP, _TP)
-PP_CP = _strategy(_PP, _CP)
-PP_TP_SP = _strategy(_PP, _TP, _SP)
-PP_EP = _strategy(_PP, _EP)
-
-STRATEGIES: dict[str, AxisMap] = {
-    "dp": DP,
-    "fsdp": FSDP,
-    "tp": TP,
-    "fsdp_tp": FSDP_TP,
-    "dp_tp": DP_TP,
-    "pp": PP,
-    "pp_tp": PP_TP,
-    "pp_fsdp": PP_FSDP,
-    "tp_sp": TP_SP,
-    "fsdp_tp_sp": FSDP_TP_SP,
-    "cp": CP,
-    "fsdp_cp": FSDP_CP,
-    "cp_tp_sp": CP_TP_SP,
-    "ep": EP,
-    "fsdp_ep": FSDP_EP,
-    "ep_tp": EP_TP,
-    "pp_cp": PP_CP,
-    "pp_tp_sp": PP_TP_SP,
-    "pp_ep": PP_EP,
-}
+DP, FSDP, TP, FSDP_TP = (STRATEGIES[n] for n in ("dp", "fsdp", "tp", "fsdp_tp"))
 
 # A mesh of 8 devices that suits each strategy on every family's tiny size (llama tiny has 8 query
 # and 4 kv heads, gpt2 tiny 4 heads, so tensor stays <= 4). Used by tests, goldens and defaults.

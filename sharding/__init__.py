@@ -31,6 +31,7 @@ from sharding import (
     training,
 )
 from sharding._attention import AttentionChoiceError
+from sharding._bound import BoundStrategy, StrategyMeshError
 from sharding._checks import ArgumentTypeError, StepArgumentError
 from sharding._devices import cpu_only, setup_devices
 from sharding._errors import SpmdkitError
@@ -91,6 +92,7 @@ __all__ = [
     "ArgumentTypeError",
     "AttentionChoiceError",
     "BatchShardingError",
+    "BoundStrategy",
     "DuplicateMeshAxisError",
     "Explanation",
     "IndivisibleDimensionError",
@@ -110,6 +112,7 @@ __all__ = [
     "StackError",
     "StepArgumentError",
     "StepConfigError",
+    "StrategyMeshError",
     "TrainProgram",
     "UnknownLogicalAxisError",
     "UnknownMeshAxisError",

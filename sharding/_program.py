@@ -52,15 +52,19 @@ class TrainProgram:
         """Train state {params, opt_state, step}, created directly in its shardings."""
         return self._init_fn(jnp.asarray(seed, jnp.uint32))
 
+    def lowered(self) -> Any:
+        """The train step lowered from abstract shapes (`jax.stages.Lowered`: the program as
+        traced, before XLA partitions it); ``compiled`` compiles it."""
+        return self._step_fn.lower(
+            shard_abstract(self.abstract_state, self.state_shardings),
+            shard_abstract(self.batch_shapes, self.batch_shardings),
+        )
+
     @property
     def compiled(self) -> Any:
         if self._compiled is None:
-            args = (
-                shard_abstract(self.abstract_state, self.state_shardings),
-                shard_abstract(self.batch_shapes, self.batch_shardings),
-            )
             start = time.perf_counter()
-            self._compiled = self._step_fn.lower(*args).compile()
+            self._compiled = self.lowered().compile()
             self.compile_time_s = time.perf_counter() - start
         return self._compiled
 

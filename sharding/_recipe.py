@@ -14,10 +14,10 @@ from typing import Any
 import optax
 from jax import sharding as jshard
 
-from partition_rules import PIPELINE_STRATEGIES
+from partition_rules import PIPELINE_STRATEGIES, composition
 from sharding._attention import attention_kernels
+from sharding._bound import BoundStrategy
 from sharding._mesh import MeshSpec, make_mesh
-from sharding._sequence import sequence_axes
 from sharding._step import StepConfigError, TrainProgram, compile_train_step
 from sharding._workload import Workload, load_workload
 from sharding.context import context_kernels, seam_calls
@@ -25,20 +25,18 @@ from sharding.experts import expert_kernels
 from sharding.pipeline import PipelineSpec, balanced_stages
 
 
-def check_pipelined_experts(strategy: str, axis_map: Any, mesh: jshard.Mesh) -> None:
+def check_pipelined_experts(strategy: str, mesh: jshard.Mesh) -> None:
     """Expert parallelism inside a pipeline's stages: the stages are manual over ``expert`` and
-    run the experts' kernel on each device's tokens directly, so the strategy must place the
-    experts there, and no other axis may split them inside (fsdp, tensor, context)."""
+    run the experts' kernel on each device's tokens directly; fsdp may not split the experts
+    inside them too."""
     sizes = dict(mesh.shape)
-    others = [f"{a}={sizes[a]}" for a in ("fsdp", "tensor", "context") if sizes.get(a, 1) > 1]
-    if axis_map.get("experts") != "expert" or others:
+    if sizes.get("fsdp", 1) > 1:
         raise StepConfigError(
-            f"strategy {strategy!r} pipelines over stage={sizes['stage']} on a mesh with "
-            f"expert={sizes['expert']}"
-            + (f" and {', '.join(others)}" if others else "")
-            + ": expert parallelism inside a pipeline's stages runs as pp_ep on stage x data x "
-            "expert; use pp_ep on such a mesh, or pp, pp_tp or pp_fsdp with expert=1 (the "
-            "experts whole in each stage), or ep, fsdp_ep or ep_tp without stages"
+            f"strategy {strategy!r} pipelines over stage={sizes['stage']} with experts split "
+            f"over expert={sizes['expert']} and fsdp={sizes['fsdp']}: expert parallelism inside "
+            f"a pipeline's stages runs with data, tensor or context beside it, not fsdp; use "
+            f"ep+pp (with tp or cp if you need them) on a mesh with fsdp=1, or fsdp+ep without "
+            f"stages"
         )
 
 
@@ -65,11 +63,12 @@ def pipeline_for(
     asked = [f"--{k}" for k, v in (("schedule", schedule), ("microbatches", microbatches),
                                    ("repeats", repeats), ("stage-layers", stage_layers))
              if v is not None]  # fmt: skip
-    if strategy not in PIPELINE_STRATEGIES:
+    if not composition(strategy).pipelined:
         if asked:
             raise StepConfigError(
                 f"{', '.join(asked)} configure a pipeline, but strategy {strategy!r} does not "
-                f"pipeline; use one of {sorted(PIPELINE_STRATEGIES)} with a 'stage' mesh axis"
+                f"pipeline; add pp (e.g. {composition(strategy).name}+pp), or use one of "
+                f"{sorted(PIPELINE_STRATEGIES)}, with a 'stage' mesh axis"
             )
         return None
     if stages < 2:
@@ -113,8 +112,9 @@ def build_program(
 
     Args:
         workload: a `Workload` (`Workload.from_family(models.llama, cfg)` for a shipped one).
-        strategy: a strategy name (`partition_rules.STRATEGIES`), applied over the workload's
-            logical names.
+        strategy: a strategy name (`partition_rules.STRATEGIES`) or a composition of parts
+            (``"fsdp+tp+sp+cp+pp"``), applied over the workload's logical names; refused
+            (`StrategyMeshError`) where the mesh has an axis none of its parts splits over.
         mesh: a jax Mesh, or a spec built over ``devices`` (default: all devices).
         batch, seq: global batch (sequences or samples per step) and sequence length (default:
             the workload's; ignored by a workload without one).
@@ -143,20 +143,10 @@ def build_program(
                             repeats=repeats, stage_layers=None if auto else stage_layers)  # fmt: skip
     if auto and pipeline is None:  # raises: stage layers asked of a strategy that does not pipe
         pipeline_for(strategy, stages, stage_layers=())
+    BoundStrategy.of(strategy, mesh, experts=work.places("experts"))
     context = dict(mesh.shape).get("context", 1)
-    if (
-        pipeline is not None
-        and context > 1
-        and "context" not in sequence_axes(work.axis_map(strategy), mesh)
-    ):
-        raise StepConfigError(
-            f"strategy {strategy!r} pipelines over stage={stages} on a mesh with "
-            f"context={context}, and does not split the sequence over it: "
-            f"context parallelism inside a pipeline needs a strategy that does, pp_cp; or use "
-            f"context=1"
-        )
     if pipeline is not None and dict(mesh.shape).get("expert", 1) > 1:
-        check_pipelined_experts(strategy, work.axis_map(strategy), mesh)
+        check_pipelined_experts(strategy, mesh)
     kernels, batch_order = context_kernels(work, mesh, context_method, seq or work.seq,
                                            None if pipeline is None else pipeline.schedule)  # fmt: skip
     asked = attention not in (None, "auto") and work.kernels is not None

@@ -147,7 +147,7 @@ def check_sequence_split(sequence: tuple[str, ...], mesh: jshard.Mesh, *, pipeli
             f"Use build_program(..., context_method='allgather') (or spmdkit train "
             f"--context-method), or pass kernels= from sharding.context"
         )
-    others = [a for a in ("fsdp", "expert", "tensor") if sizes.get(a, 1) > 1]
+    others = [a for a in () if sizes.get(a, 1) > 1]
     if pipeline is not None and "context" in sequence and others:
         raise SequenceLayoutError(
             f"the strategy splits the sequence over {where} inside a pipeline, on a mesh that "

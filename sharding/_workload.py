@@ -118,8 +118,17 @@ class Workload:
         return "tokens" if self.seq else "samples"
 
     def axis_map(self, strategy_name: str) -> AxisMap:
-        """The named strategy over this workload's logical names."""
+        """The named (or composed) strategy over this workload's logical names."""
         return strategy(strategy_name, **dict(self.names))
+
+    def places(self, logical: str) -> bool:
+        """Whether the rules put a dimension on the shipped logical axis ``logical`` (under
+        the name ``names`` gives it): ``places("experts")`` is whether it has experts."""
+        named = self.names.get(logical, logical)
+        named = {named} if isinstance(named, str) else set(named)
+        used = {a for rule in self.rules for entry in (rule.axes or ())
+                for a in ((entry,) if isinstance(entry, str) else (entry or ()))}  # fmt: skip
+        return bool(named & used)
 
     def abstract(self) -> nnx.Module:
         """The model with `jax.ShapeDtypeStruct` parameters (no memory, any size)."""

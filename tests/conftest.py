@@ -32,10 +32,13 @@ os.environ["XLA_FLAGS"] = _flags
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+# 8, or what SPMDKIT_TEST_DEVICES says: tests/test_compositions.py runs its 16-device cases in a
+# child pytest with 16, so every mesh of 16 runs apart from the rest of the suite.
+_DEVICES = int(os.environ.get("SPMDKIT_TEST_DEVICES", "8"))
+jax.config.update("jax_num_cpu_devices", _DEVICES)
 # Start the backend now, so that a library call simulating another count (plan or compare for a
 # 16-device target) is refused in this process instead of changing it for every later test.
-assert jax.device_count() == 8
+assert jax.device_count() == _DEVICES
 
 import re  # noqa: E402
 from pathlib import Path  # noqa: E402

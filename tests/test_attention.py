@@ -238,7 +238,7 @@ STEPS = [
     ("dp", "data=8", {}),
     ("fsdp_tp", "data=2,fsdp=2,tensor=2", {}),
     ("tp_sp", "data=2,tensor=4", {}),
-    ("pp", "stage=2,data=2,fsdp=2", {"schedule": "1f1b", "microbatches": 2}),
+    ("pp_fsdp", "stage=2,data=2,fsdp=2", {"schedule": "1f1b", "microbatches": 2}),
 ]
 
 

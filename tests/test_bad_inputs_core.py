@@ -260,7 +260,18 @@ CLI = [
         ["explain", "--mesh", "data=3", "--devices", "8"],
         r"multiplies to 3 devices but 8",
     ),
-    ("explain-unknown-strategy", ["explain", "--strategy", "zero3"], r"invalid choice: 'zero3'"),
+    ("explain-unknown-strategy", ["explain", "--strategy", "zero3"], r"unknown strategy 'zero3'"),
+    ("train-sp-without-tp", ["train", "--strategy", "sp+pp"], r"sp without tp.*write tp\+sp\+pp"),
+    (
+        "train-ep-on-a-dense-model",
+        ["train", "--strategy", "ep", "--mesh", "expert=4,data=2"],
+        r"'ep' \(ep\) splits experts over expert, and the model has none.*drop ep",
+    ),
+    (
+        "train-an-axis-no-part-uses",
+        ["train", "--strategy", "fsdp", "--mesh", "stage=2,fsdp=4"],
+        r"'fsdp' \(fsdp\) splits nothing over mesh axis stage=2.*use --strategy fsdp\+pp",
+    ),
     (
         "explain-unknown-model",
         ["explain", "--model", "bert"],

@@ -97,7 +97,7 @@ def test_train_unknown_strategy_lists_the_known(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--strategy", "zero3"])
     err = capsys.readouterr().err
-    assert "invalid choice: 'zero3'" in err and "fsdp_tp" in err and "pp_fsdp" in err
+    assert "unknown strategy 'zero3'" in err and "fsdp_tp" in err and "pp_fsdp" in err
 
 
 def test_train_pipeline_flags_need_a_pipeline_strategy(tmp_path, capsys):

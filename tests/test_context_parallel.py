@@ -21,7 +21,7 @@ from closeness import assert_close
 
 import models
 from models.layers import causal_attention
-from sharding import StepConfigError, Workload, build_program, make_mesh
+from sharding import StrategyMeshError, Workload, build_program, make_mesh
 from sharding.context import (
     ContextParallelError,
     allgather_attention,
@@ -145,7 +145,7 @@ STEPS = [
     ("llama", "fsdp_cp", "fsdp=2,context=4", "allgather"),
     ("llama", "fsdp_cp", "fsdp=2,context=4", "ulysses"),
     ("llama", "cp_tp_sp", "data=2,context=2,tensor=2", "allgather"),
-    ("llama", "tp", "context=2,tensor=2,data=2", "ulysses"),
+    ("llama", "tp+cp", "context=2,tensor=2,data=2", "ulysses"),  # a composition without alias
     ("gpt2", "cp", "data=2,context=4", "ring"),
 ]
 
@@ -164,10 +164,10 @@ BYTES = [
     ("cp", "data=2,context=4", "allgather", "none"),
     ("cp", "data=2,context=4", "ulysses", "none"),
     ("cp", "data=2,context=4", "ring", "full"),
-    ("tp", "context=2,tensor=2,data=2", "ulysses", "none"),  # heads split over tensor too
+    ("tp+cp", "context=2,tensor=2,data=2", "ulysses", "none"),  # heads split over tensor too
 ]
-# The kinds only attention adds: under tp (no sequence split between layers) XLA also gathers
-# activations over context, the strategy's doing, not the kernel's.
+# The kinds only attention adds: under tp+cp XLA also moves activations over context where the
+# tensor-parallel matmuls meet the split sequence, the strategy's doing, not the kernel's.
 OWN_KINDS = {"ring": {"collective-permute"}, "allgather": {"reduce-scatter"},
              "ulysses": {"all-to-all"}}  # fmt: skip
 
@@ -185,7 +185,7 @@ def test_context_bytes_match_the_closed_form(strategy, mesh_spec, method, remat)
                              kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, layers=LAYERS,
                              context=sizes["context"], tensor=sizes["tensor"],
                              batch_shards=sizes["data"] * sizes["fsdp"],
-                             remat=remat != "none", batch_over_context=strategy == "cp"):  # fmt: skip
+                             remat=remat != "none", batch_over_context=True):  # fmt: skip
         want[t.kind] += t.bytes
     got = defaultdict(int)
     own = [op for op in report.collectives if op.axes == ("context",) and op.kind != "all-reduce"
@@ -250,10 +250,10 @@ def test_a_workload_without_its_online_softmax_is_refused_context_parallelism():
         build_program(bare, "cp", "data=2,context=4", batch=BATCH, seq=SEQ)
 
 
-def test_context_inside_a_pipeline_needs_a_strategy_that_splits_the_sequence():
-    # pp places no "sequence": the stages would not split it (pp_cp does, test_pipeline_splits).
-    with pytest.raises(StepConfigError, match=r"context parallelism inside a pipeline needs a "
-                       r"strategy that does, pp_cp"):  # fmt: skip
+def test_a_mesh_axis_no_part_of_the_strategy_uses_is_refused():
+    # pp places no "sequence": context=4 would split nothing (cp+pp does, test_pipeline_splits).
+    with pytest.raises(StrategyMeshError, match=r"strategy 'pp' \(pp\) splits nothing over mesh "
+                       r"axis context=4.*the part cp would.*use --strategy cp\+pp, or drop context"):  # fmt: skip
         build_program(workload(), "pp", "stage=2,context=4", batch=BATCH, seq=SEQ)
 
 

@@ -23,6 +23,7 @@ from sharding import (
     IndivisibleDimensionError,
     StackCarryError,
     StepConfigError,
+    StrategyMeshError,
     Workload,
     build_program,
     compile_train_step,
@@ -251,9 +252,9 @@ def test_experts_the_expert_axis_does_not_divide_are_refused():
     with pytest.raises(IndivisibleDimensionError, match=r"layers/moe/down.*expert"):
         build_program(work(NO_DROPS, n_experts=6, top_k=2), "ep", "expert=4,data=2", batch=B,
                       seq=S)  # fmt: skip
-    # Weights whole (dp) on an expert mesh: the kernel refuses when traced, before compiling.
-    with pytest.raises(ExpertParallelError, match=r"n_experts=6 is not a multiple of the mesh's "
-                                                  r"expert=4.*Use expert in \[1, 2, 3, 6\]"):  # fmt: skip
+    # Weights whole (dp) on an expert mesh: no part of dp uses expert.
+    with pytest.raises(StrategyMeshError, match=r"strategy 'dp' \(dp\) splits nothing over mesh "
+                                                r"axis expert=4.*use --strategy ep"):  # fmt: skip
         build_program(work(NO_DROPS, n_experts=6, top_k=2), "dp", "expert=4,data=2", batch=B,
                       seq=S)  # fmt: skip
     ids, weights = jnp.zeros((6, 4, 2), jnp.int32), jnp.zeros((4, 8, 8))
@@ -271,6 +272,9 @@ PIPELINES = [("pp", "stage=2,data=4", "gpipe", NO_DROPS),
              ("pp_fsdp", "stage=2,fsdp=4", "gpipe", NO_DROPS),
              ("pp_ep", "stage=2,expert=2,data=2", "gpipe", NO_DROPS),
              ("pp_ep", "stage=2,expert=4", "circular", NO_DROPS),
+             # Compositions: tensor inside the stages beside the experts' split.
+             ("ep+tp+pp", "stage=2,expert=2,tensor=2", "gpipe", NO_DROPS),
+             ("ep+tp+pp", "stage=2,expert=2,tensor=2", "circular", NO_DROPS),
              # Drops: capacity counts every expert, not the device's own, inside the stages.
              ("pp_ep", "stage=2,expert=2,data=2", "gpipe", DROPS)]  # fmt: skip
 MICRO = 2
@@ -342,9 +346,13 @@ def test_what_pipelines_cannot_run_of_a_mixture_of_experts_is_refused():
                                               r"stack per micro-batch.*gpipe or circular"):  # fmt: skip
         build_program(work(NO_DROPS), "pp", "stage=2,data=4", batch=B, seq=S, schedule="1f1b",
                       microbatches=MICRO)  # fmt: skip
-    with pytest.raises(StepConfigError, match=r"expert=4: expert parallelism inside a "
-                                              r"pipeline's stages runs as pp_ep"):  # fmt: skip
+    with pytest.raises(StrategyMeshError, match=r"'pp' \(pp\) splits nothing over mesh axis "
+                                                r"expert=4.*use --strategy ep\+pp"):  # fmt: skip
         build_program(work(NO_DROPS), "pp", "stage=2,expert=4", batch=B, seq=S)
+    with pytest.raises(StepConfigError, match=r"expert=2 and fsdp=2: expert parallelism inside "
+                                              r"a pipeline's stages runs with data, tensor or "
+                                              r"context beside it, not fsdp"):  # fmt: skip
+        build_program(work(NO_DROPS), "fsdp+ep+pp", "stage=2,expert=2,fsdp=2", batch=B, seq=S)
 
 
 class Damped(nnx.Module):
@@ -378,3 +386,17 @@ def test_side_values_a_layer_does_not_add_to_are_refused():
                            None))]), STRATEGY_MAPS["pp"], make_mesh("stage=2,data=4"),
                            {"x": jax.ShapeDtypeStruct((B, 4, 8), jnp.float32)},
                            pipeline=PipelineSpec("gpipe", MICRO), stack="blocks")  # fmt: skip
+
+
+@pytest.mark.parametrize(("schedule", "method"), [("gpipe", "allgather"), ("circular", "ring")])
+def test_experts_beside_context_inside_stages_equal_one_device(schedule, method):
+    """ep+cp+pp: each stage's experts over expert and its sequence over context. Without the
+    balancing loss (a statistic of each device's own tokens, which here are a slice of the
+    sequence) and with nothing dropped, the step is one device's exactly."""
+    plain = work(NO_DROPS, aux_loss_coef=0.0)
+    prog = build_program(plain, "ep+cp+pp", "stage=2,expert=2,context=2", batch=B, seq=S,
+                         schedule=schedule, microbatches=MICRO, context_method=method)  # fmt: skip
+    one = build_program(plain, "dp", "data=1", batch=B, seq=S, devices=jax.devices()[:1])
+    got = prog.loss_and_grads(jax.device_put(seed0_params(), prog.param_shardings), batch())
+    want = one.loss_and_grads(jax.device_put(seed0_params(), one.param_shardings), batch())
+    assert_same(*((float(v[0]), jax.tree.map(np.asarray, v[1])) for v in (got, want)))

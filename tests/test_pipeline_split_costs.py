@@ -64,8 +64,6 @@ CASES = [
     ("llama", "pp_tp_sp", "stage=2,tensor=4", "gpipe", 1, None, "none"),  # tp's lookup
     ("llama-moe", "pp_ep", EP, "gpipe", 1, None, "none"),
     ("llama-moe", "pp_ep", EP, "gpipe", 1, None, "full"),
-    # a dense model: expert is one more batch axis
-    ("llama", "pp_ep", EP, "gpipe", 1, None, "none"),
     ("llama-moe", "pp", "stage=2,data=4", "gpipe", 1, None, "none"),
     ("llama-moe", "pp_tp", "stage=2,data=2,tensor=2", "circular", 2, None, "none"),
     # the explicit schedules: lanes per tick, the embedding and the head inside the scan

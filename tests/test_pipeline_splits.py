@@ -22,7 +22,7 @@ from closeness import assert_close
 
 import models
 from models.kernels import use as use_kernels
-from sharding import SequenceLayoutError, Workload, build_program, make_mesh
+from sharding import StrategyMeshError, Workload, build_program, make_mesh
 from sharding.context import ContextParallelError, context_traffic
 
 BATCH, SEQ, LAYERS, MICRO = 8, 32, 4, 2
@@ -80,8 +80,6 @@ CASES = [
     ("llama", "pp_tp_sp", PP_TP_SP, "gpipe", None),
     ("llama", "pp_tp_sp", PP_TP_SP, "1f1b", None),
     ("llama", "pp_tp_sp", PP_TP_SP, "zb-h1", None),
-    # A dense model on an expert mesh: the stages are manual over expert, a batch axis there.
-    ("llama", "pp_ep", "stage=2,expert=2,data=2", "1f1b", None),
 ]
 
 
@@ -146,7 +144,8 @@ def test_positions_outside_the_seam_are_refused_inside_a_pipeline():
                       microbatches=MICRO, context_method="ulysses")  # fmt: skip
 
 
-def test_context_with_other_splits_inside_a_pipeline_is_refused():
-    with pytest.raises(SequenceLayoutError, match=r"inside a pipeline.*tensor=2.*pp_cp"):
+def test_a_mesh_axis_the_pipelines_parts_do_not_use_is_refused():
+    with pytest.raises(StrategyMeshError, match=r"'pp_cp' \(cp\+pp\) splits nothing over mesh "
+                       r"axis tensor=2.*use --strategy tp\+cp\+pp"):  # fmt: skip
         build_program(workload(), "pp_cp", "stage=2,context=2,tensor=2", batch=BATCH, seq=SEQ,
                       schedule="gpipe", microbatches=MICRO)  # fmt: skip

@@ -285,7 +285,7 @@ def test_strategy_fsdp_axes(name):
 
 
 def test_strategy_lookup():
-    assert strategy("fsdp_tp") is STRATEGIES["fsdp_tp"]
+    assert strategy("fsdp_tp") == STRATEGIES["fsdp_tp"] == strategy("tp+fsdp")
     with pytest.raises(
         ValueError, match=names_all("'nope'", ", ".join(STRATEGIES), "strategies that exist")
     ):
@@ -296,7 +296,7 @@ def test_strategy_lookup():
 def test_preset(family):
     rules, axis_map = preset(family, "fsdp_tp")
     assert rules is FAMILY_RULES[family]
-    assert axis_map is STRATEGIES["fsdp_tp"]
+    assert axis_map == STRATEGIES["fsdp_tp"]
 
 
 def test_preset_unknown_strategy_lists_strategies():

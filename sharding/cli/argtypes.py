@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from partition_rules import PARTS, STRATEGIES, CompositionError, composition
+
 
 def stage_layers_arg(text: str) -> tuple[int, ...] | str:
     """argparse type of --stage-layers: 'auto', or comma-separated whole numbers >= 1."""
@@ -56,3 +58,15 @@ def data_arg(text: str) -> str | Path:
             )
         return text
     return Path(text)
+
+
+def strategy_arg(text: str) -> str:
+    try:
+        composition(text)
+    except CompositionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text  # kept as written: the library reads either
+
+
+strategy_arg.__doc__ = (f"a name ({', '.join(STRATEGIES)}) or parts ({'+'.join(PARTS)}) joined "
+                        f"by '+', e.g. fsdp+tp+sp+cp+pp")  # fmt: skip

@@ -11,12 +11,12 @@ from rich.console import Console
 
 import models
 from models.attention import KINDS as ATTENTION_KINDS
-from partition_rules import STRATEGIES
 from sharding import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
 from sharding.cli.argtypes import (  # noqa: F401  (re-exported for the commands)
     non_negative_int,
     positive_int,
     stage_layers_arg,
+    strategy_arg,
 )
 from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
@@ -102,8 +102,7 @@ def add_strategy_args(
     p: argparse.ArgumentParser, *, default: str = "fsdp_tp", context: bool = False
 ) -> None:
     p.add_argument("--mesh", help="mesh spec, e.g. data=2,fsdp=2,tensor=2 (one axis may be -1)")
-    p.add_argument("--strategy", default=default, choices=list(STRATEGIES),
-                   help="partition preset")  # fmt: skip
+    p.add_argument("--strategy", default=default, type=strategy_arg, help=strategy_arg.__doc__)
     if context:  # the command runs what it builds: how attention runs over a context axis
         p.add_argument("--context-method", choices=CONTEXT_METHODS,
                        help="attention over a context mesh axis (cp, fsdp_cp): ring, allgather "

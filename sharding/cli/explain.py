@@ -10,6 +10,7 @@ import argparse
 
 from flax import nnx
 
+from partition_rules import composition
 from partition_rules.strategies import EXAMPLE_MESHES_8
 from sharding import MeshSpec, MeshSpecError, explain
 from sharding.cli.common import (
@@ -37,7 +38,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = MeshSpec.of(args.mesh or EXAMPLE_MESHES_8[args.strategy])
+    parts = composition(args.strategy)
+    example = EXAMPLE_MESHES_8.get(parts.alias or "")
+    if args.mesh is None and example is None:
+        sizes = ",".join(f"{a}=2" for a in parts.axes if a != "data")
+        raise MeshSpecError(
+            f"--strategy {args.strategy} has no example mesh; give --mesh, e.g. --mesh {sizes}"
+        )
+    spec = MeshSpec.of(args.mesh or example)
     if -1 in spec.sizes.values() and args.devices is None:
         raise MeshSpecError(
             f"--mesh {spec} has a -1 axis; give --devices N so explain can fill it "

@@ -12,8 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from partition_rules import STRATEGIES
-from sharding.cli.common import add_command, add_devices_arg, console, non_negative_int
+from sharding.cli.common import (
+    add_command,
+    add_devices_arg,
+    console,
+    non_negative_int,
+    strategy_arg,
+)
 
 EXAMPLES = [
     "ck ck_tp --mesh fsdp=2,tensor=4 --strategy fsdp_tp",
@@ -27,8 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", type=Path, help="checkpoint directory to read (spmdkit train's)")
     p.add_argument("dst", type=Path, help="checkpoint directory to write (new or empty)")
     p.add_argument("--mesh", required=True, help="target mesh spec, e.g. fsdp=2,tensor=4")
-    p.add_argument("--strategy", required=True, choices=list(STRATEGIES),
-                   help="target partition preset")  # fmt: skip
+    p.add_argument("--strategy", required=True, type=strategy_arg, metavar="STRATEGY",
+                   help="target strategy: a name or parts joined by '+', e.g. fsdp+tp")  # fmt: skip
     p.add_argument("--model", metavar="MODULE:ATTR",
                    help="for a checkpoint of your own model: package.module:attribute or "
                    "path/to/file.py:attribute naming its sharding.Workload (shipped models are "

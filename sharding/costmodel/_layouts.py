@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partition_rules import PIPELINE_STRATEGIES, STRATEGIES
+from partition_rules import PIPELINE_STRATEGIES, STRATEGIES, CompositionError, composition
 from sharding._mesh import AXES, MeshSpec, mesh_text
 from sharding._recipe import build_program, pipeline_for
 from sharding.costmodel._predict import CostModelError
@@ -126,11 +126,8 @@ def called_for(work: Any, seq: int | None) -> tuple[str, ...]:
         ('tp_sp', 'cp', 'fsdp_cp')
     """
     long = seq is not None and seq >= LONG_SEQUENCE and work.kernels is not None
-    named = work.names.get("experts", "experts")
-    named = {named} if isinstance(named, str) else set(named)
-    used = {a for rule in work.rules for entry in (rule.axes or ())
-            for a in ((entry,) if isinstance(entry, str) else (entry or ()))}  # fmt: skip
-    return (SEQUENCE_STRATEGIES if long else ()) + (EXPERT_STRATEGIES if named & used else ())
+    experts = EXPERT_STRATEGIES if work.places("experts") else ()
+    return (SEQUENCE_STRATEGIES if long else ()) + experts
 
 
 def strategy_names(strategies: str | Sequence[str] | None, extra: Sequence[str] = ()) -> list[str]:
@@ -151,13 +148,30 @@ def strategy_names(strategies: str | Sequence[str] | None, extra: Sequence[str] 
         wanted = [s.strip() for s in strategies.split(",")]
     else:
         wanted = list(strategies)
-    unknown = [s for s in wanted if s not in STRATEGIES]
+    unknown = [s for s in wanted if not _known(s)]
     if unknown or not wanted:
         raise UnknownStrategyError(
             f"--strategies {','.join(map(str, wanted))!r}: unknown strategies {unknown}; known: "
-            f"{', '.join(STRATEGIES)} (a comma list, e.g. --strategies dp,fsdp)"
+            f"{', '.join(STRATEGIES)}, or parts joined by '+' (a comma list, e.g. --strategies "
+            f"dp,fsdp+tp)"
         )
-    return [s for s in dict.fromkeys((*ORDER, *STRATEGIES)) if s in wanted]
+    named = [s if s in STRATEGIES else composition(s).alias for s in wanted]
+    unpriced = [s for s, a in zip(wanted, named, strict=True) if a is None]
+    if unpriced:
+        raise UnknownStrategyError(
+            f"--strategies: {composition(unpriced[0]).name} is a composition "
+            f"that compare and plan do not price yet; they price {', '.join(STRATEGIES)} and "
+            f"the same parts written with '+'. spmdkit train and explain run it"
+        )
+    return [s for s in dict.fromkeys((*ORDER, *STRATEGIES)) if s in named]
+
+
+def _known(strategy: object) -> bool:
+    try:
+        composition(strategy)
+    except CompositionError:
+        return False
+    return True
 
 
 def meshes(

@@ -8,6 +8,7 @@ loaded and what the bubble costs in FLOPs. Every error is a `PipelineError`.
 
 from sharding.pipeline._balance import StageLayersError, balance_layers, check_stage_layers
 from sharding.pipeline._errors import PipelineError
+from sharding.pipeline._layers import replicas as stage_manual_axes
 from sharding.pipeline._loss import pipelined_loss
 from sharding.pipeline._scan import PipelineConfigError, PipelineSpec, check_pipeline
 from sharding.pipeline._schedule import (
@@ -65,6 +66,7 @@ __all__ = [
     "pipelined_loss",
     "render",
     "stack_flop_overhead",
+    "stage_manual_axes",
     "stage_report",
     "stage_work",
     "workload_stage_costs",

@@ -43,10 +43,11 @@ from sharding.pipeline._layers import (
     auto_batch_axes,
     layer_spec,
     micro_spec,
-    own_axes,
     per_leaf,
     psum32,
     replicas,
+    stage_weights,
+    summed_grad,
     uniform,
     varying,
 )
@@ -189,7 +190,7 @@ def _body(
     # Varying casts hoisted out of the tick loop: their transposes (the gradient psums over data,
     # and over stage for `rest`) then run once per step.
     everywhere = ("stage", *reps)
-    w = per_leaf(lambda a, d: varying(a[0], own_axes(d, reps)), layers, dims)  # [v, Lr, ...]
+    w = stage_weights(layers, dims, reps)  # [v, Lr, ...]
     rest = jax.tree.map(lambda a: varying(a, everywhere), rest)
     extras_m = [varying(a, "stage") for a in extras_m]
     batch_m = jax.tree.map(lambda a: varying(a, "stage"), batch_m)
@@ -389,7 +390,7 @@ def _body(
     # The loss is the mean over data replicas (and sequence slices) of each one's micro-batch
     # mean.
     value = lax.psum(carry["loss"], everywhere) / n_data
-    gw = per_leaf(lambda g, d: psum32(g, own_axes(d, reps))[None] / n_data, carry["gw"], dims)
+    gw = per_leaf(lambda g, d: summed_grad(g, d, reps)[None] / n_data, carry["gw"], dims)
     grest = jax.tree.map(lambda g: psum32(g, everywhere) / n_data, carry["grest"])
     # Every stage reads the extra inputs: their gradients add up over stages.
     dex = [psum32(g, "stage") / n_data for g in carry["dex"]]

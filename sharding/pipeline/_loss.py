@@ -177,7 +177,8 @@ def pipelined_loss(
         seq = _seq_len(h)
         h_m = to_microbatches(layout.enter(h), m, mesh, layout.axes, seq)
         extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
-        layers = _gather(call.state, None if gathered is None else split_state(gathered, stack)[0])
+        whole = None if gathered is None or "fsdp" in replicas(layout.outer, mesh) else gathered
+        layers = _gather(call.state, None if whole is None else split_state(whole, stack)[0])
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
         # head runs over all devices), not on all of them on every stage: the last stage's
         # rows are reduce-scattered over the stages rather than all-reduced to each.
@@ -233,7 +234,9 @@ def _loss_explicit(
     _, rest = split_state(state, stack)
     whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
     rest = _gather(rest, whole_rest)
-    layers, valid = _gather(call.state, whole_stack), None
+    # Stages manual over fsdp gather their own weights inside (`gather_fsdp`).
+    own = "fsdp" in replicas(layout.outer, mesh)
+    layers, valid = _gather(call.state, None if own else whole_stack), None
     if stage_layers is None:
         layers = stage_view(layers, p, r)
     else:  # stage s, chunk c holds layer_slots' index[s, c]; spare slots are skipped

@@ -32,12 +32,12 @@ from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._layers import (
     layer_spec,
     micro_spec,
-    own_axes,
     per_leaf,
     psum32,
     replicas,
     row_axes,
     seq_tail,
+    stage_weights,
     varying,
 )
 from sharding.pipeline._schedule import Schedule, check_layers, make_schedule
@@ -182,7 +182,7 @@ def scan_pipeline(
         # replicated on, outside the tick loop: the transpose of this cast is the gradient psum
         # over them (data-parallel, and context, expert), which then runs once per step instead
         # of once per tick (XLA otherwise reduces each tick's weight gradient).
-        w = per_leaf(lambda a, d: varying(a[0], own_axes(d, reps)), w, dims)
+        w = stage_weights(w, dims, reps)
         sid = lax.axis_index("stage")
         # Hoisted so the transpose (a psum over stage of the input cotangent) runs once per step.
         h_m = varying(h_m, "stage")

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from partition_rules import STRATEGIES
+from partition_rules import CompositionError, composition
 from sharding._attention import KINDS as ATTENTION_KINDS
 from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
@@ -205,7 +205,6 @@ class TrainConfig:
 
     def _check_choices(self) -> None:
         choices = {
-            "strategy": tuple(STRATEGIES),
             "dtype": DTYPES,
             "remat": REMATS,
             "data_dtype": (None, *DATA_DTYPES),
@@ -214,6 +213,10 @@ class TrainConfig:
             "context_method": (None, *CONTEXT_METHODS),
             "attention": (None, *ATTENTION_KINDS),
         }
+        try:
+            composition(self.strategy)
+        except CompositionError as e:
+            raise InvalidSettingError(f"--strategy {self.strategy!r}: {e}") from None
         for name, known in choices.items():
             v = getattr(self, name)
             if v not in known:

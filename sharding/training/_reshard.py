@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from partition_rules import STRATEGIES
+from partition_rules import CompositionError, composition
 from sharding._init import abstract_params
 from sharding._mesh import MeshSpec, make_mesh, mesh_sizes, mesh_text
 from sharding._resolve import resolve
@@ -131,7 +131,7 @@ def reshard(
         dst: where to write the same step, for ``strategy`` on ``mesh``; new or empty unless
             ``overwrite`` (then the step replaces the same step there, other steps stay).
         mesh: the target mesh (its device count must be this process's).
-        strategy: the target partition preset, one of `partition_rules.STRATEGIES`.
+        strategy: the target strategy: a name (`partition_rules.STRATEGIES`) or a composition.
         families: model family name -> family module (``models.FAMILIES``): the model the
             checkpoint names is built from it, abstractly, to place the arrays.
         model: the `sharding.Workload` the checkpoint was trained from (your own model; its
@@ -144,11 +144,10 @@ def reshard(
         >>> print(r)  # doctest: +SKIP
         step 10: llama tiny, fsdp on fsdp=8 -> fsdp_tp on fsdp=2,tensor=4; 38 arrays, ...
     """
-    if strategy not in STRATEGIES:
-        raise ReshardError(
-            f"--strategy {strategy!r} is not a partition preset; choose one of "
-            f"{', '.join(STRATEGIES)}"
-        )
+    try:
+        composition(strategy)
+    except CompositionError as e:
+        raise ReshardError(f"--strategy {strategy!r}: {e}") from None
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise ReshardError(f"--step {step!r} is not a whole number; give a saved step")
     spec = MeshSpec.of(mesh)

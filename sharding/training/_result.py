@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from partition_rules.strategies import DESCRIPTIONS
+from partition_rules import composition
 from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.training._errors import TrainingError
@@ -138,7 +138,7 @@ class TrainResult:
         grid.add_column(style="bold")
         grid.add_column()
         mesh = mesh_text(self.mesh)
-        grid.add_row("strategy", f"{self.strategy}: {DESCRIPTIONS[self.strategy]}")
+        grid.add_row("strategy", f"{self.strategy}: {composition(self.strategy).description}")
         grid.add_row("mesh", f"{mesh} ({self.devices} {self.platform} devices)")
         grid.add_row("model", f"{self.family} {self.size}, {fmt_count(self.parameters)} parameters")
         grid.add_row("batch", f"{self.batch} x {self.seq} tokens, accumulation {self.accum}")

@@ -1,0 +1,200 @@
+"""Strategies as compositions of parallelisms (``fsdp+tp+sp+cp+pp``).
+
+The syntax and its refusals; every old name the same axis map (and, for one name per kind of
+program, the same lowered program) as its composition; compositions no name had against one
+device (loss and every gradient, float32): on this process's 8 devices, and the acceptance
+layouts on 16 (stage=2 x fsdp or data=2 x context=2 x tensor=2) in a child pytest of this
+module, which runs with ``SPMDKIT_TEST_DEVICES=16`` (`conftest.py`) and leaves the rest of the
+suite on 8. Tiny sizes: llama tiny with 4 layers, batch 8, seq 32, 2 micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from closeness import assert_close
+
+import models
+from partition_rules import ALIASES, STRATEGIES, CompositionError, composition, strategy
+from sharding import BoundStrategy, Workload, build_program, make_mesh
+
+SIXTEEN = jax.device_count() == 16
+BATCH, SEQ, LAYERS, MICRO = 8, 32, 4, 2
+
+
+def workload() -> Workload:
+    return Workload.from_family(models.llama, models.llama.config("tiny", n_layers=LAYERS))
+
+
+@cache
+def batch() -> dict:
+    cfg = models.llama.config("tiny", n_layers=LAYERS)
+    return {k: np.asarray(v) for k, v in
+            models.llama.make_batch(cfg, BATCH, SEQ, key=jax.random.key(7)).items()}  # fmt: skip
+
+
+@cache
+def one_device():
+    """One device's loss and gradients, and its seed-0 parameters on the host."""
+    prog = build_program(workload(), "dp", make_mesh("data=1", jax.devices()[:1]), batch=BATCH,
+                         seq=SEQ)  # fmt: skip
+    params = jax.device_get(prog.init(seed=0)["params"])
+    loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch())
+    return float(loss), jax.tree.map(np.asarray, grads), params
+
+
+def assert_equals_one_device(strategy_name: str, mesh: str, schedule: str | None = None,
+                             method: str | None = None) -> None:  # fmt: skip
+    want_loss, want_grads, params = one_device()
+    prog = build_program(workload(), strategy_name, mesh, batch=BATCH, seq=SEQ,
+                         schedule=schedule, microbatches=MICRO if schedule else None,
+                         context_method=method)  # fmt: skip
+    loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch())
+    assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+    assert_close(jax.tree.map(np.asarray, grads), want_grads)
+
+
+# --- the syntax ----------------------------------------------------------------------------------
+
+
+def test_every_name_is_an_alias_of_its_composition():
+    for name, parts in ALIASES.items():
+        assert composition(name) == composition(parts)
+        assert strategy(name) == strategy(parts) == STRATEGIES[name], name
+    # Written in any order, dp implicit, one canonical spelling.
+    assert composition("pp+cp+sp+tp+fsdp").name == "fsdp+tp+sp+cp+pp"
+    assert composition("dp+tp+sp+cp+pp") == composition("tp+sp+cp+pp")
+    assert composition("dp").name == "dp" and composition("dp+tp").alias == "tp"
+    assert composition("tp+sp+pp").alias == "pp_tp_sp" and composition("fsdp+tp+pp").alias is None
+    assert strategy("fsdp+tp+sp+cp+pp")["sequence"] == ("context", "tensor")
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("sp+pp", r"'sp\+pp' has sp without tp.*write tp\+sp\+pp, or cp"),
+        ("fsdp+tp+fsdp", r"names 'fsdp' twice; write each part once, e.g. fsdp\+tp"),
+        ("fsdp+zero", r"unknown strategy 'fsdp\+zero'; strategies that exist: dp, .* or parts "
+                      r"joined by '\+' \(dp, fsdp, ep, tp, sp, cp, pp"),
+        ("pp_tp+fsdp", r"'pp_tp' is a name, not a part: write its parts, tp\+pp"),
+        ("", r"strategy '' is not a name"),
+    ],
+)  # fmt: skip
+def test_what_is_not_a_composition_is_refused(name, match):
+    with pytest.raises(CompositionError, match=match):
+        composition(name)
+
+
+def test_a_strategy_bound_to_a_mesh_answers_the_placement_questions():
+    bound = BoundStrategy.of("fsdp+tp+sp+pp", make_mesh("stage=2,fsdp=2,tensor=2"))
+    assert bound.pipelined and bound.stages == 2
+    assert bound.batch_axes == ("fsdp",) and bound.sequence == ("tensor",)
+    # tensor splits the stages' insides, so they are manual over fsdp too (XLA's partitioner
+    # cannot take fsdp and tensor both automatic inside them) and gather their own weights.
+    assert bound.manual == ("stage", "data", "fsdp")
+    assert BoundStrategy.of("pp_fsdp", make_mesh("stage=2,fsdp=4")).manual == ("stage", "data")
+    assert BoundStrategy.of("cp+pp", make_mesh("stage=2,context=4")).manual == (
+        "stage", "data", "context")  # fmt: skip
+    assert bound.axis_map({"embed": "hidden"})["hidden"] == "fsdp"
+
+
+# --- old names, the same programs -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("alias", "mesh", "schedule", "method"),
+    [
+        ("fsdp_tp_sp", "data=2,fsdp=2,tensor=2", None, None),
+        ("pp_tp_sp", "stage=2,data=2,tensor=2", "1f1b", None),
+        ("pp_cp", "stage=2,data=2,context=2", "gpipe", "ring"),
+    ],
+)
+def test_an_old_name_compiles_to_its_compositions_program(alias, mesh, schedule, method):
+    """The same step text, and the same collectives compiled (every name's map equals its
+    composition's, `test_every_name_is_an_alias_of_its_composition`)."""
+    progs = [build_program(workload(), s, mesh, batch=BATCH, seq=SEQ, schedule=schedule,
+                           microbatches=MICRO if schedule else None, context_method=method)
+             for s in (alias, ALIASES[alias])]  # fmt: skip
+    old, new = (p.lowered().as_text() for p in progs)
+    assert old == new
+    assert progs[0].report().summary(by_axes=True) == progs[1].report().summary(by_axes=True)
+
+
+# --- compositions no name had, on 8 devices ---------------------------------------------------
+
+EIGHT = [
+    ("fsdp+tp+pp", "stage=2,fsdp=2,tensor=2", "1f1b", None),
+    ("fsdp+tp+pp", "stage=2,fsdp=2,tensor=2", "interleaved", None),
+    ("tp+sp+cp+pp", "stage=2,context=2,tensor=2", "zb-h1", "ring"),
+    ("fsdp+cp+pp", "stage=2,fsdp=2,context=2", "gpipe", "allgather"),
+]
+
+
+@pytest.mark.skipif(SIXTEEN, reason="the 8-device cases run in the parent process")
+@pytest.mark.parametrize(("strategy_name", "mesh", "schedule", "method"), EIGHT,
+                         ids=["-".join(filter(None, c)) for c in EIGHT])  # fmt: skip
+def test_compositions_equal_one_device(strategy_name, mesh, schedule, method):
+    assert_equals_one_device(strategy_name, mesh, schedule, method)
+
+
+# --- the acceptance layouts, on 16 devices ----------------------------------------------------
+
+F16, D16 = "stage=2,fsdp=2,context=2,tensor=2", "stage=2,data=2,context=2,tensor=2"
+SIXTEEN_CASES = [
+    ("fsdp+tp+sp+cp+pp", F16, "1f1b", "allgather"),
+    ("fsdp+tp+sp+cp+pp", F16, "interleaved", "ring"),
+    ("fsdp+tp+sp+cp+pp", F16, "zb-h1", "ulysses"),
+    ("dp+tp+sp+cp+pp", D16, "gpipe", "ring"),
+    ("dp+tp+sp+cp+pp", D16, "interleaved", "allgather"),
+    ("fsdp+tp+pp", "stage=2,fsdp=2,tensor=2,data=2", "1f1b", None),
+    ("fsdp+tp+pp", "stage=2,fsdp=2,tensor=2,data=2", "interleaved", None),
+]
+
+
+@pytest.mark.skipif(not SIXTEEN, reason="runs in the 16-device child pytest")
+@pytest.mark.parametrize(("strategy_name", "mesh", "schedule", "method"), SIXTEEN_CASES,
+                         ids=["-".join(filter(None, c)) for c in SIXTEEN_CASES])  # fmt: skip
+def test_on_sixteen_devices_compositions_equal_one_device(strategy_name, mesh, schedule, method):
+    assert_equals_one_device(strategy_name, mesh, schedule, method)
+
+
+@pytest.mark.skipif(not SIXTEEN, reason="runs in the 16-device child pytest")
+def test_on_sixteen_devices_train_follows_dps_loss_curve(tmp_path):
+    """`spmdkit train --strategy fsdp+tp+sp+cp+pp ... --devices 16` on llama tiny: the loss
+    of every step equals dp's on the same batches (rel 1e-4)."""
+    from sharding.cli import main
+
+    common = ["train", "--model", "llama", "--size", "tiny", "--batch", "16", "--seq", "32",
+              "--steps", "3", "--devices", "16"]  # fmt: skip
+    curves = {}
+    for name, flags in {
+        "dp": ["--strategy", "dp", "--mesh", "data=16"],
+        "composed": ["--strategy", "fsdp+tp+sp+cp+pp", "--mesh", F16, "--schedule",
+                     "interleaved", "--microbatches", "2"],
+    }.items():  # fmt: skip
+        metrics = tmp_path / f"{name}.jsonl"
+        assert main([*common, *flags, "--metrics", str(metrics)]) == 0
+        curves[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(curves["dp"]) == 3
+    np.testing.assert_allclose(curves["composed"], curves["dp"], rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SIXTEEN, reason="this is the parent of the 16-device run")
+def test_the_sixteen_device_cases_pass_in_a_child_pytest():
+    env = {**os.environ, "SPMDKIT_TEST_DEVICES": "16"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
+         "-p", "no:xdist", "-k", "sixteen_devices"],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"{len(SIXTEEN_CASES) + 1} passed" in proc.stdout, proc.stdout[-2000:]
