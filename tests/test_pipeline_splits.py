@@ -66,16 +66,16 @@ def loss_and_grads(family: str, strategy: str, mesh: str, schedule: str | None, 
     return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
+# pp_cp under 1f1b and interleaved with allgather: inside fsdp+tp+sp+cp+pp and dp+tp+sp+cp+pp,
+# tests/test_compositions.py (16 devices).
 CASES = [
     ("llama", "pp_cp", PP_CP, "gpipe", "ring"),
     ("llama", "pp_cp", PP_CP, "circular", "allgather"),
     ("llama", "pp_cp", PP_CP, "gpipe", "ulysses"),
-    ("llama", "pp_cp", PP_CP, "1f1b", "allgather"),
     # Ring attention's ppermute inside the stage body: the lanes run in lock-step.
     ("llama", "pp_cp", PP_CP, "1f1b", "ring"),
     ("llama", "pp_cp", PP_CP, "zb-h1", "ring"),
     ("llama", "pp_cp", PP_CP, "zb-h1", "ulysses"),
-    ("llama", "pp_cp", PP_CP, "interleaved", "allgather"),
     ("gpt2", "pp_cp", PP_CP, "gpipe", "ring"),  # a learned position table, through the seam
     ("llama", "pp_tp_sp", PP_TP_SP, "gpipe", None),
     ("llama", "pp_tp_sp", PP_TP_SP, "1f1b", None),
