@@ -241,3 +241,29 @@ def test_remat_dots_recomputes_attention_products_as_priced(strategy, mesh, sche
         assert want["dots"] / want["none"] == pytest.approx(got["dots"] / got["none"], rel=1e-9)
     else:
         assert want == got
+
+
+@pytest.mark.parametrize(("strategy", "mesh", "k"), [("fsdp", "fsdp=8", 4), ("dp", "data=8", 2)])
+def test_accumulation_gathers_and_reduces_once_per_micro_step(strategy, mesh, k):
+    """With k micro-steps the compiled step gathers fsdp's layer weights and reduces the
+    gradients k times (XLA keeps them inside the accumulation loop; the head's and final
+    norm's gathers, loop-invariant, are hoisted out and run once), and the closed form says
+    the same: exactly for the gathers, and for the reductions but a few scalars a micro-step
+    (the loss's), which the closed form leaves out."""
+    from sharding import Workload, build_program
+
+    work = Workload.from_family(models.llama, models.llama.config("tiny"))
+    report = build_program(work, strategy, mesh, batch=32, seq=32, accum_steps=k).report()
+    pred = predict(models.llama, "tiny", strategy, MeshSpec.parse(mesh).sizes, 32, 32, accum=k)
+    one = predict(models.llama, "tiny", strategy, MeshSpec.parse(mesh).sizes, 32, 32)
+    axis = mesh.split("=")[0]
+    layers = [t for t in pred.traffic if t.what.startswith("layer weights")]
+    assert sum(t.bytes for t in layers) == k * sum(
+        t.bytes for t in one.traffic if t.what.startswith("layer weights"))  # fmt: skip
+    assert report.collective_bytes("all-gather", axis) == pred.collective_bytes("all-gather", axis)
+    # XLA:CPU reduce-scatters as an all-reduce and a slice.
+    reduced = sum(pred.collective_bytes(kind, axis) for kind in ("all-reduce", "reduce-scatter"))
+    assert 0 < report.collective_bytes("all-reduce", axis) - reduced <= 16 * k  # scalars
+    assert pred.accum == k and pred.batch == 32 and pred.micro_batch == 32 // (8 * k)
+    assert pred.matmul_flops == k * predict(models.llama, "tiny", strategy,
+                                            MeshSpec.parse(mesh).sizes, 32 // k, 32).matmul_flops  # fmt: skip

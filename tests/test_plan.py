@@ -166,3 +166,54 @@ def test_plan_takes_a_shipped_workload_and_a_toml_target(tmp_path):
     fast = costmodel.plan(work, target=target("h100:1x8"), seq=64, aot=0, top=1)
     assert slow.model == fast.model == "gpt2" and slow.target.device.name == "half-h100"
     assert slow.shown[0].predicted.compute_s > fast.shown[0].predicted.compute_s
+
+
+# --- the global batch as micro-steps -----------------------------------------------------------
+
+
+def test_nvidias_llama3_8b_batch_plans_as_micro_steps(capsys):
+    """NVIDIA's recipe trains Llama 3 8B at 128 x 8192 on 8 H100s with micro-batch 1 and 16 x
+    accumulation over 8 data shards; the whole batch at once fits nowhere (215 GiB at best)."""
+    assert _cli(["--size", "3-8b", "--batch", "128", "--seq", "8192", "--aot", "0",
+                 "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    best = out["candidates"][0]
+    assert best["fits"] and best["global_batch"] == 128
+    assert best["accum"] > 1 and best["micro_batch"] >= 1
+    shards = math.prod(best["mesh"][a] for a in ("data", "fsdp", "expert"))
+    m = best["pipeline"]["microbatches"] if best["pipeline"] else 1
+    assert best["micro_batch"] * best["accum"] * shards * m == 128
+    assert f"--accum {best['accum']}" in out["train_command"]
+    assert out["train_command"].startswith(f"spmdkit train --model llama --size 3-8b "
+                                           f"--strategy {best['strategy']} --mesh ")  # fmt: skip
+
+
+def test_llama3_70b_on_8_nodes_plans_at_its_published_batch():
+    ranked = candidates(llama, "3-70b", "h100:8x8", 128, 8192)
+    assert ranked[0].fits and ranked[0].prediction.batch == 128
+
+
+def test_accumulation_and_micro_batch_can_be_pinned():
+    pinned = candidates(llama, "tiny", "h100:1x8", 64, 128, accum=4)
+    assert {c.accum for c in pinned} == {4}
+    rows = candidates(llama, "tiny", "h100:1x8", 64, 128, micro_batch=2)
+    assert {c.micro_batch for c in rows} == {2}
+    with pytest.raises(
+        CostModelError,
+        match=r"--accum 0: give a whole number >= 1 \(or leave it out to search it\)",
+    ):
+        costmodel.plan(llama, size="tiny", accum=0)
+    with pytest.raises(CostModelError, match=r"accum=3: .*divides the global batch 64"):
+        predict(llama, "tiny", "fsdp", {"fsdp": 8}, 64, 128, accum=3)
+
+
+def test_the_printed_train_command_trains(capsys, tmp_path, monkeypatch):
+    """plan's first row, run by `spmdkit train` with exactly the flags plan printed."""
+    from sharding.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert _cli(["--model", "llama", "--size", "tiny", "--batch", "16", "--seq", "32", "--accum",
+                 "2", "--aot", "0", "--top", "1", "--json"]) == 0  # fmt: skip
+    flags = json.loads(capsys.readouterr().out)["train_command"].removeprefix("spmdkit ").split()
+    assert flags[0] == "train" and "--accum" in flags and "2" in flags
+    assert main([*flags, "--steps", "1", "--dtype", "float32"]) == 0

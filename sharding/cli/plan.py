@@ -64,6 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="global batch in sequences (when unset: the target's devices)")  # fmt: skip
     p.add_argument("--seq", type=positive_int,
                    help="sequence length (when unset: min(4096, the model's maximum))")  # fmt: skip
+    p.add_argument("--accum", type=positive_int, help="pin the gradient accumulation steps "
+                   "(when unset: per layout the fewest that fit)")  # fmt: skip
+    p.add_argument("--micro-batch", type=positive_int, help="pin the rows each device runs per "
+                   "forward pass (Megatron's micro-batch size; when unset: searched)")  # fmt: skip
     p.add_argument("--layers", type=positive_int, help="override a shipped model's layer count")
     p.add_argument("--strategies", help=f"comma list (when unset: all of {','.join(STRATEGIES)})")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -104,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         top=args.top,
         aot=args.aot,
         attention=args.attention,
+        accum=args.accum,
+        micro_batch=args.micro_batch,
     )
     if args.json:
         print(result.to_json())

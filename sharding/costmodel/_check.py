@@ -35,13 +35,13 @@ def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
     if dtype != p.dtype or kind != p.attention:
         p = predict(family, cfg, p.strategy, p.mesh, p.batch, p.seq,
                     pipeline=estimate.layout.pipeline(), dtype=dtype, optimizer=p.optimizer,
-                    remat=p.remat, attention=kind)  # fmt: skip
+                    remat=p.remat, attention=kind, accum=p.accum)  # fmt: skip
     useful = predict(family, cfg, "dp", {}, p.batch, p.seq, dtype=dtype,
                      attention=kind).matmul_flops  # fmt: skip
     sw = work_from_prediction(p, model_flops=useful)
     settings = Settings(p.batch, p.seq, attention=kind)
     cand, _ = evaluate(estimate.layout, work, settings, tgt, dtype=dtype,
-                       remat=p.remat, useful_flops=useful)  # fmt: skip
+                       remat=p.remat, accum=p.accum, useful_flops=useful)  # fmt: skip
     rate = tgt.device.peak(dtype) * tgt.device.matmul_fraction
     estimate.check = Check(dtype, step_time(sw, tgt), sw.matmul_flops, p, cand, rate)
     return estimate.check

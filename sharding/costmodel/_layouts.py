@@ -366,11 +366,12 @@ def _compare_pipelines(
 def _searched_pipelines(
     sizes: dict[str, int], n_layers: int, batch: int | None
 ) -> list[tuple[str, int, int, dict[str, int]]]:
-    p, split = sizes["stage"], sizes["data"] * sizes["fsdp"]
+    from sharding.costmodel._batching import pipeline_microbatches
+
+    p = sizes["stage"]
     if batch is None or p < 2 or n_layers % p:
         return []
-    # The most micro-batches of 4p, 2p, p that the batch splits into (a smaller bubble).
-    m = next((m for m in (4 * p, 2 * p, p) if batch % m == 0 and (batch // m) % split == 0), None)
+    m = pipeline_microbatches(sizes, batch)  # the most of 4p, 2p, p: a smaller bubble
     if m is None:
         return []
     return [

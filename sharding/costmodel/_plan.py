@@ -59,6 +59,8 @@ def plan(
     top: int = 12,
     aot: int | None = None,
     attention: str | None = None,
+    accum: int | None = None,
+    micro_batch: int | None = None,
 ) -> PlanResult:
     """Rank every (strategy, mesh, schedule, remat) layout of a model on a target cluster.
 
@@ -87,6 +89,9 @@ def plan(
             form prices "xla" as the materialising reference and the others flash-style (causal
             blocks skipped, backward recompute, no score matrix); a compile runs the kernel
             where this host can, else blockwise (said in the notes).
+        accum, micro_batch: pin the accumulation steps, or the rows each device runs per
+            forward pass (Megatron's micro-batch size); default: searched, per layout the
+            smallest accumulation that fits (`micro_steps`). Closed-form families only.
 
     Raises:
         PlanError: an argument out of range; `NoFittingStrategyError`, `NoValidLayoutError` from
@@ -102,6 +107,9 @@ def plan(
     for flag, value in (("--batch", batch), ("--layers", layers), ("--seq", seq)):
         if value is not None:
             _whole(flag, value, 1, "or leave it out for the default")
+    for flag, value in (("--accum", accum), ("--micro-batch", micro_batch)):
+        if value is not None:
+            _whole(flag, value, 1, "or leave it out to search it")
     if aot is not None:
         _whole("--aot", aot, 0, "how many top layouts to compile; 0 for none")
     if dtype not in DTYPE_BYTES:
@@ -117,7 +125,13 @@ def plan(
     name = getattr(work.family, "NAME", None)
     if name in LM_FAMILIES:
         return _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
-                            kind)  # fmt: skip
+                            kind, (accum, micro_batch))  # fmt: skip
+    if accum is not None or micro_batch is not None:
+        raise PlanError(
+            f"--accum / --micro-batch: {work.name} is priced from compiled programs, which "
+            f"plan runs at accumulation 1; use spmdkit compare (which adds accumulation where "
+            f"memory needs it) or leave them out"
+        )
     check_runs_here(kind)  # priced from programs compiled here
     return _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
                      attention)  # fmt: skip
@@ -130,7 +144,8 @@ ATTENTION_NOTE = {
 }
 
 
-def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, kind):
+def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, kind,
+                 pins=(None, None)):  # fmt: skip
     family, cfg = work.family, work.config
     if seq is not None and seq > cfg.max_seq_len:
         raise PlanError(
@@ -143,7 +158,7 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
     start = time.perf_counter()
     ranked = candidates(family, cfg, tgt, batch, seq, strategies=strategies and tuple(strategies),
                         dtype=dtype, optimizer=optimizer, memory_bytes=budget,
-                        attention=kind)  # fmt: skip
+                        attention=kind, accum=pins[0], micro_batch=pins[1])  # fmt: skip
     elapsed = time.perf_counter() - start
     notes = []
     if aot and tgt.devices > MAX_AOT_DEVICES:
@@ -163,7 +178,10 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
         f"{fmt_bytes(budget)} per device; float32 master weights, {dtype} compute, {optimizer}.",
         f"Attention: {kind!r} ({ATTENTION_NOTE['xla' if kind == 'xla' else 'flash']}).",
         f"Searched every factorisation of the {tgt.devices} devices each strategy can use, "
-        f"pipelines under gpipe, 1f1b, zb-h1 and interleaved, remat none, dots and full.",
+        f"pipelines under gpipe, 1f1b, zb-h1 and interleaved, remat none, dots and full, "
+        f"the global batch {batch} as micro-steps (per layout and remat, the least "
+        f"accumulation that fits: each micro-step gathers fsdp's weights and reduces the "
+        f"gradients again).",
     ]
     return PlanResult(family.NAME, cfg.name, cfg.n_layers, tgt, budget, batch, seq, dtype,
                       optimizer, "formula", elapsed, ranked, top, assumptions, notes)  # fmt: skip

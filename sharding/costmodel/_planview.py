@@ -64,9 +64,29 @@ class PlanResult:
             "dtype": self.dtype, "optimizer": self.optimizer, "source": self.source,
             "search_s": self.search_s, "assumptions": self.assumptions + self.notes,
             "candidates": [c.to_dict() for c in self.shown],
+            "train_command": self.train_command(),
             "checked": [{"rank": i, "label": c.label, "mesh": c.mesh_text, "remat": c.remat,
                          **c.check.to_dict()} for i, c in self.checked],
         }  # fmt: skip
+
+    def train_command(self, rank: int = 1) -> str | None:
+        """The `spmdkit train` command that runs the layout ranked ``rank`` (from 1): its
+        strategy, mesh, schedule and micro-batches, accumulation, remat and dtype at this
+        batch and sequence; None when it does not fit or was priced from a compiled program of
+        a model that has no shipped name."""
+        c = self.ranked[rank - 1]
+        if not c.fits or self.source != "formula":
+            return None
+        lay = c.layout
+        flags = ["spmdkit train --model", self.model, "--size", self.size, "--strategy",
+                 lay.strategy, "--mesh", lay.mesh, "--batch", str(self.batch)]  # fmt: skip
+        flags += ["--seq", str(self.seq)] if self.seq else []
+        if lay.schedule is not None:
+            flags += ["--schedule", lay.schedule, "--microbatches", str(lay.microbatches)]
+            flags += ["--repeats", str(lay.repeats)] if lay.repeats > 1 else []
+        return " ".join(
+            [*flags, "--accum", str(c.accum), "--remat", c.remat, "--dtype", self.dtype]
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -80,12 +100,14 @@ class PlanResult:
         table = Table(
             title=f"{name}{layers} on {self.target.name} ({self.devices} "
             f"devices, {fmt_bytes(self.memory_bytes)} each usable): batch {self.batch}{seq}, "
-            f"{self.dtype}; {sum(c.fits for c in shown)} of the top {len(shown)} fit; priced "
-            f"from the {self.source} (searched in {self.search_s:.1f} s)",
+            f"{self.dtype} (micro-batch: rows per device per forward pass); "
+            f"{sum(c.fits for c in shown)} of the top {len(shown)} fit; priced from the "
+            f"{self.source} (searched in {self.search_s:.1f} s)",
             title_justify="left",
         )
-        for col in ("#", "layout", "mesh", "memory/device", "fits", "comm/step", "step",
-                    "compute", "exposed comm", "bubble", f"{unit}/s/device", "MFU"):  # fmt: skip
+        for col in ("#", "layout", "mesh", "micro-batch", "accum", "memory/device", "fits",
+                    "comm/step", "step", "compute", "exposed comm", "bubble", f"{unit}/s/device",
+                    "MFU"):  # fmt: skip
             left = col in ("layout", "mesh")
             table.add_column(col, justify="left" if left else "right", no_wrap=left)
         warned = []
@@ -94,6 +116,7 @@ class PlanResult:
             warned += [w for w in p.warnings if w not in warned]
             table.add_row(
                 str(i), _label(c), c.mesh_text + (" !" if p.warnings else ""),
+                "-" if c.micro_batch is None else str(c.micro_batch), str(c.accum),
                 fmt_bytes(c.memory_bytes), "[green]yes[/green]" if c.fits else "[red]no[/red]",
                 fmt_bytes(c.collective_bytes), _t(p.step_s), _t(p.compute_s),
                 _t(p.exposed_comm_s), _t(p.bubble_s), fmt_count(p.throughput_per_device),
@@ -102,7 +125,9 @@ class PlanResult:
         parts: list[Any] = [table]
         if self.checked:
             parts.append(self._check_table())
+        run = self.train_command()
         lines = [f"! {w}" for w in warned] + self.assumptions + self.notes
+        parts += [Text(f"run #1: {run}", style="bold")] if run else []
         return Group(*parts, *(Text(f"- {line}", style="dim") for line in lines))
 
     def _check_table(self) -> Table:

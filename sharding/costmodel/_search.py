@@ -25,6 +25,7 @@ from sharding._errors import SpmdkitError
 from sharding._resolve import RuleError
 from sharding._units import fmt_bytes
 from sharding._workload import Workload
+from sharding.costmodel._batching import micro_steps
 from sharding.costmodel._layouts import Layout, called_for, layouts, strategy_names
 from sharding.costmodel._predict import CostModelError, Prediction, predict
 from sharding.costmodel._steptime import MEMORY_FRACTION, StepTime, step_time
@@ -123,6 +124,18 @@ class Estimate:
         return "formula" if self.prediction is not None else "compiled program"
 
     @property
+    def accum(self) -> int:
+        """Micro-steps per step (gradient accumulation)."""
+        if self.prediction is not None:
+            return self.prediction.accum
+        return getattr(self.candidate, "accum", 1)
+
+    @property
+    def micro_batch(self) -> int | None:
+        """Rows per device per forward pass (Megatron's micro-batch size); None if unknown."""
+        return None if self.prediction is None else self.prediction.micro_batch
+
+    @property
     def step_s(self) -> float:
         return self.predicted.step_s
 
@@ -142,6 +155,8 @@ class Estimate:
                 "schedule": self.layout.schedule, "microbatches": self.layout.microbatches,
                 "repeats": self.layout.repeats},
             "remat": self.remat, "source": self.source, "fits": self.fits,
+            "global_batch": None if self.prediction is None else self.prediction.batch,
+            "micro_batch": self.micro_batch, "accum": self.accum,
             "memory_bytes": self.memory_bytes, "collective_bytes": self.collective_bytes,
             "bytes_by_kind": None if self.prediction is None else self.prediction.bytes_by_kind(),
             "step_s": st.step_s, "compute_s": st.compute_s, "exposed_comm_s": st.exposed_comm_s,
@@ -169,9 +184,16 @@ def candidates(
     optimizer: str = "adamw",
     memory_bytes: int | None = None,
     attention: str = "auto",
+    accum: int | None = None,
+    micro_batch: int | None = None,
 ) -> list[Estimate]:
     """Every valid layout of a language-model family on ``tgt``, from the closed forms: fitting
     ones first by predicted step time, then the rest by memory.
+
+    The global ``batch`` is searched as micro-steps (`micro_steps`): per layout and remat
+    policy, the smallest accumulation that fits (each extra micro-step re-gathers fsdp's weights
+    and reduces the gradients again); ``accum`` and ``micro_batch`` (rows per device per
+    forward pass) pin them.
 
     Raises:
         NoValidLayoutError: nothing divides (names the strategies tried).
@@ -194,15 +216,19 @@ def candidates(
     for layout in layouts(tgt.devices, cfg.n_layers, strategies=strategies, search=True,
                           batch=batch, extra=extra):  # fmt: skip
         for remat in REMATS:
-            try:
-                pred = predict(family, cfg, layout.strategy, layout.sizes, batch, seq,
-                               pipeline=layout.pipeline(), dtype=dtype, optimizer=optimizer,
-                               remat=remat, attention=attention)  # fmt: skip
-            except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
-                continue
-            st = step_time(work_from_prediction(pred, model_flops=useful.matmul_flops), tgt)
-            out.append(Estimate(layout, remat, st, pred.memory_bytes, pred.memory_bytes <= budget,
-                                pred.collective_bytes(), prediction=pred))  # fmt: skip
+            for k, run in micro_steps(layout, batch, accum=accum, micro_batch=micro_batch):
+                try:
+                    pred = predict(family, cfg, run.strategy, run.sizes, batch, seq,
+                                   pipeline=run.pipeline(), dtype=dtype, optimizer=optimizer,
+                                   remat=remat, attention=attention, accum=k)  # fmt: skip
+                except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
+                    continue
+                st = step_time(work_from_prediction(pred, model_flops=useful.matmul_flops), tgt)
+                fits = pred.memory_bytes <= budget
+                out.append(Estimate(run, remat, st, pred.memory_bytes, fits,
+                                    pred.collective_bytes(), prediction=pred))  # fmt: skip
+                if fits:
+                    break
     return _rank(out, f"{family.NAME} {cfg.name}", tgt, batch, f"batch {batch} x seq {seq}, "
                  f"{dtype}", strategies, budget)  # fmt: skip
 

@@ -329,7 +329,8 @@ def work_from_prediction(
         return work
     # predict's lanes (one micro-batch through one chunk), priced as a compiled program's are.
     critical, busiest = price(sched, Lanes.of(pipe["lanes"]), lockstep=pipe.get("lockstep", False))
-    work.matmul_flops, work.bubble_flops = critical, critical - busiest
+    k = getattr(pred, "accum", 1)  # the table runs once per micro-step
+    work.matmul_flops, work.bubble_flops = k * critical, k * (critical - busiest)
     notes.append(f"{sched.name}: priced from the schedule table in lock-step (each tick as long "
                  f"as its slowest stage; the head in the last stage's forward).")  # fmt: skip
     return work

@@ -1,0 +1,68 @@
+"""The global batch as a search dimension: accumulation steps and micro-batches.
+
+People train a global batch (Megatron's GBS) as micro-steps of a micro-batch each (its MBS, the
+local batch of torchtitan and MaxText): ``batch = micro_batch x accum x batch shards``, with a
+pipeline's micro-batches splitting each micro-step further. `micro_steps` lists the ways a
+layout can run one global batch, smallest accumulation first; `sharding.costmodel.candidates`
+prices each (`predict`'s ``accum``) and keeps, per layout and remat policy, the first that fits.
+
+Example:
+    >>> from sharding.costmodel import Layout
+    >>> [(k, x.microbatches) for k, x in micro_steps(Layout("fsdp", "fsdp=8"), 64)]
+    [(1, None), (2, None), (4, None), (8, None)]
+    >>> [(k, x.microbatches) for k, x in micro_steps(Layout("pp", "stage=2,data=4", "1f1b", 8), 64)]
+    [(1, 8), (2, 8), (4, 4), (8, 2)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from sharding.costmodel._layouts import Layout
+
+BATCH_SPLIT = ("data", "fsdp", "expert")
+
+
+def pipeline_microbatches(sizes: dict[str, int], batch: int) -> int | None:
+    """A pipeline's micro-batch count for a (micro-)step of ``batch`` rows: one that splits it
+    evenly over the batch shards, preferring 4p, 2p, then p (a smaller bubble), else the most
+    up to 4p that is at least p (a 252-row batch on 4 shards over 18 stages: 63), else the
+    fewest above 4p; None if no count of at least p splits it."""
+    p, split = sizes.get("stage", 1), math.prod(sizes.get(a, 1) for a in BATCH_SPLIT)
+    if batch % split:
+        return None
+    counts = [m for m in range(p, batch // split + 1) if (batch // split) % m == 0]
+    preferred = [m for m in (4 * p, 2 * p, p) if m in counts]
+    within = [m for m in counts if m <= 4 * p]
+    return (preferred or within[-1:] or counts[:1] or [None])[0]
+
+
+def micro_steps(
+    layout: Layout, batch: int, *, accum: int | None = None, micro_batch: int | None = None
+) -> list[tuple[int, Layout]]:
+    """``(accum, layout)`` for every way ``layout`` runs a global ``batch``, smallest accum
+    first: each micro-step keeps at least one row per batch shard, and a pipeline layout takes
+    the micro-batch count of its micro-step (`pipeline_microbatches`). ``accum`` and
+    ``micro_batch`` (rows per device per forward pass) pin them."""
+    sizes = layout.sizes
+    split = math.prod(sizes.get(a, 1) for a in BATCH_SPLIT)
+    if batch % split:
+        return []
+    out = []
+    for k in range(1, batch // split + 1):
+        if (batch // split) % k or (accum is not None and k != accum):
+            continue
+        run = layout
+        if layout.schedule is not None:
+            m = pipeline_microbatches(sizes, batch // k)
+            if m is None:
+                continue
+            run = dataclasses.replace(layout, microbatches=m)
+        rows = batch // (k * split * (run.microbatches if run.schedule is not None else 1))
+        if micro_batch is None or rows == micro_batch:
+            out.append((k, run))
+    return out
+
+
+__all__ = ["micro_steps", "pipeline_microbatches"]
