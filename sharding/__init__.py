@@ -27,6 +27,7 @@ from sharding import (
     experts,
     inspection,
     pipeline,
+    planning,
     targets,
     training,
 )
@@ -81,7 +82,7 @@ from sharding._step import (
 from sharding._units import SizeFormatError, fmt_bytes, fmt_count, parse_bytes
 from sharding._workload import Workload, WorkloadError, load_workload
 from sharding.comparison import compare
-from sharding.costmodel import plan
+from sharding.planning import plan
 from sharding.training import fit, launch, reshard
 
 __all__ = [
@@ -146,6 +147,7 @@ __all__ = [
     "pipeline_for",
     "place",
     "plan",
+    "planning",
     "remat_wrapper",
     "reshard",
     "resolve",

@@ -201,7 +201,7 @@ def test_calibrate_runs_tiny_on_cpu_and_writes_a_profile_plan_reads(tmp_path, ca
     import json
 
     from benchmarks import calibrate
-    from sharding.costmodel import plan
+    from sharding.planning import plan
     from sharding.targets import PROFILES, load_profile
 
     argv = ["--devices", "8", "--target", "h100", "--matmul", "64", "--models", "tiny:2",

@@ -11,19 +11,18 @@ import pytest
 from rich.console import Console
 
 from models import gpt2, llama
-from sharding import Workload, costmodel
+from sharding import Workload, costmodel, planning
 from sharding.cli import plan
 from sharding.costmodel import (
-    DEFAULT_SIZES,
     CostModelError,
     NoFittingStrategyError,
     candidates,
-    check_candidate,
     meshes,
     predict,
     step_time,
     work_from_prediction,
 )
+from sharding.planning import DEFAULT_SIZES, check_candidate
 from sharding.targets import PROFILES, target
 
 GB = 10**9
@@ -145,7 +144,7 @@ def test_cli_gpt2_without_size_takes_the_family_default(capsys):
 
 def test_plan_api_overrides_layers_and_notes_a_skipped_aot():
     # This process holds 8 devices, so an AOT compile for 16 is skipped, and says so.
-    result = costmodel.plan(llama, size="tiny", target="h100:2x8", seq=32, layers=2,
+    result = planning.plan(llama, size="tiny", target="h100:2x8", seq=32, layers=2,
                             strategies="dp,fsdp,pp", aot=1, top=3)  # fmt: skip
     assert result.layers == 2 and result.batch == 16 and len(result.shown) == 3
     assert result.devices == 16 and result.target.nodes == 2
@@ -162,8 +161,8 @@ def test_plan_takes_a_shipped_workload_and_a_toml_target(tmp_path):
     spec = dataclasses.replace(PROFILES["h100"], name="half-h100", peak_bf16=494.7e12)
     (tmp_path / "half.toml").write_text(spec.to_toml())
     work = Workload.from_family(gpt2, gpt2.config("tiny"))
-    slow = costmodel.plan(work, target=f"{tmp_path / 'half.toml'}:1x8", seq=64, aot=0, top=1)
-    fast = costmodel.plan(work, target=target("h100:1x8"), seq=64, aot=0, top=1)
+    slow = planning.plan(work, target=f"{tmp_path / 'half.toml'}:1x8", seq=64, aot=0, top=1)
+    fast = planning.plan(work, target=target("h100:1x8"), seq=64, aot=0, top=1)
     assert slow.model == fast.model == "gpt2" and slow.target.device.name == "half-h100"
     assert slow.shown[0].predicted.compute_s > fast.shown[0].predicted.compute_s
 
@@ -202,7 +201,7 @@ def test_accumulation_and_micro_batch_can_be_pinned():
         CostModelError,
         match=r"--accum 0: give a whole number >= 1 \(or leave it out to search it\)",
     ):
-        costmodel.plan(llama, size="tiny", accum=0)
+        planning.plan(llama, size="tiny", accum=0)
     with pytest.raises(CostModelError, match=r"accum=3: .*divides the global batch 64"):
         predict(llama, "tiny", "fsdp", {"fsdp": 8}, 64, 128, accum=3)
 

@@ -11,9 +11,10 @@ import pytest
 
 import models
 from models import llama
-from sharding import Workload, costmodel
+from sharding import Workload, planning
 from sharding.cli import main
-from sharding.costmodel import PlanError, candidates, check_candidate, few_layouts, layouts
+from sharding.costmodel import candidates, few_layouts, layouts
+from sharding.planning import PlanError, check_candidate
 from sharding.targets import MalformedTargetError
 
 HERE = Path(__file__).parent
@@ -67,7 +68,7 @@ def test_few_layouts_keeps_the_least_and_most_split_mesh_per_strategy():
 
 
 def test_the_cnn_is_planned_from_compiled_programs():
-    result = costmodel.plan(models.cnn, strategies="dp,tp")
+    result = planning.plan(models.cnn, strategies="dp,tp")
     assert result.source == "compiled program" and result.seq is None
     by_mesh = {c.mesh_text: c for c in result.ranked}
     assert set(by_mesh) == {"data=8", "data=4,tensor=2", "tensor=8"}
@@ -104,16 +105,16 @@ def test_plan_answers_for_a_user_transformer_from_a_file(model_file, capsys):
 def test_bad_plan_arguments_are_refused():
     work = Workload.from_family(llama, llama.config("tiny"))
     with pytest.raises(PlanError, match=r"a Workload carries its own size"):
-        costmodel.plan(work, size="7b")
+        planning.plan(work, size="7b")
     with pytest.raises(PlanError, match=r"--aot 0: cnn-tiny has no closed-form costs"):
-        costmodel.plan(models.cnn, aot=0)
+        planning.plan(models.cnn, aot=0)
     with pytest.raises(PlanError, match=r"compiled for 16 devices, and this process holds 8"):
-        costmodel.plan(models.cnn, target="h100:2x8")
+        planning.plan(models.cnn, target="h100:2x8")
     with pytest.raises(PlanError, match=r"more than the 64 this host simulates.*h100:8"):
-        costmodel.plan(models.mlp, target="h100:16x8")
+        planning.plan(models.mlp, target="h100:16x8")
     with pytest.raises(PlanError, match=r"--dtype 'float16': choose one of float32, bfloat16"):
-        costmodel.plan(llama, dtype="float16")
+        planning.plan(llama, dtype="float16")
     with pytest.raises(PlanError, match=r"give a size or a config, not both"):
-        costmodel.plan(llama, size="tiny", cfg=llama.config("tiny"))
+        planning.plan(llama, size="tiny", cfg=llama.config("tiny"))
     with pytest.raises(MalformedTargetError, match=r"target 8"):
-        costmodel.plan(llama, target=8)
+        planning.plan(llama, target=8)

@@ -13,7 +13,7 @@ import sharding
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("sharding", "models", "partition_rules")
-SUBPACKAGES = ("pipeline", "inspection", "costmodel", "comparison", "training")
+SUBPACKAGES = ("pipeline", "inspection", "costmodel", "comparison", "planning", "training")
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -72,6 +72,15 @@ def test_subpackages_import_each_other_through_their_public_names():
                     and parts[1] != home and parts[2].startswith("_")):  # fmt: skip
                 bad.append(f"sharding/{'/'.join(rel)}:{line} {m}")
     assert not bad, "private modules imported across folders:\n" + "\n".join(bad)
+
+
+def test_the_cost_model_imports_no_command():
+    """compare and plan sit above the cost model (`sharding.planning` uses both): nothing in
+    sharding/costmodel imports them, the CLI or training, at module level or in a function."""
+    above = ("sharding.comparison", "sharding.planning", "sharding.cli", "sharding.training")
+    bad = [f"{p.relative_to(ROOT)}:{line} {m}" for p in files("sharding/costmodel")
+           for line, m in imports(p) if m.startswith(above)]  # fmt: skip
+    assert not bad, "the cost model imports a command:\n" + "\n".join(bad)
 
 
 def test_module_sizes():

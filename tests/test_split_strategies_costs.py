@@ -21,9 +21,9 @@ from sharding.costmodel import (
     SEQUENCE_STRATEGIES,
     called_for,
     layouts,
-    plan,
     predict,
 )
+from sharding.planning import plan
 
 BATCH, SEQ = 16, 32
 

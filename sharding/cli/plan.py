@@ -22,8 +22,8 @@ from sharding.cli.common import (
     positive_int,
     workload_from_args,
 )
-from sharding.costmodel import DEFAULT_SIZES, MAX_AOT_DEVICES
-from sharding.costmodel import plan as plan_layouts
+from sharding.planning import DEFAULT_SIZES, MAX_AOT_DEVICES
+from sharding.planning import plan as plan_layouts
 
 
 class _Renamed(argparse.Action):

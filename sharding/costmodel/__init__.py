@@ -5,14 +5,14 @@ pipeline schedule), for `spmdkit compare` and `spmdkit plan` alike. `predict` gi
 per-device collective bytes (by kind and mesh axes), memory and FLOPs for a language-model family
 on any mesh, without devices. `step_time` prices a step's work (`StepWork`, from a compiled
 program's report or a prediction) on a `sharding.targets.Target`: the one step-time model of
-compare and plan. `candidates` ranks every layout of a family on a target from the closed forms,
-`compiled_candidates` a few layouts of any workload from their compiled programs (each an
-`Estimate`); `check_candidate` compiles one estimate for the target beside its formula (`Check`);
-`plan` does all of it for `spmdkit plan`. Every error is a `CostModelError`.
+compare and plan. `candidates` ranks every layout of a family on a target from the closed forms
+(each an `Estimate`, the global batch searched as micro-steps). `sharding.planning`, above this
+package and `sharding.comparison`, compiles estimates beside their formula and runs
+`spmdkit plan`; nothing here imports a command. Every error is a `CostModelError`.
 """
 
 from sharding._attention import live_fraction
-from sharding.costmodel._check import check_candidate
+from sharding.costmodel._batching import accumulated, micro_steps, pipeline_microbatches
 from sharding.costmodel._layouts import (
     DEFAULT,
     EXPERT_STRATEGIES,
@@ -26,8 +26,13 @@ from sharding.costmodel._layouts import (
     meshes,
     strategy_names,
 )
-from sharding.costmodel._plan import DEFAULT_SIZES, MAX_AOT_DEVICES, PlanError, PlanResult, plan
-from sharding.costmodel._predict import LM_FAMILIES, CostModelError, Prediction, predict
+from sharding.costmodel._predict import (
+    LM_FAMILIES,
+    OPTIMIZER_MOMENTS,
+    CostModelError,
+    Prediction,
+    predict,
+)
 from sharding.costmodel._search import (
     MAX_COMPILES,
     Check,
@@ -35,10 +40,11 @@ from sharding.costmodel._search import (
     NoFittingStrategyError,
     NoValidLayoutError,
     candidates,
-    compiled_candidates,
     few_layouts,
     memory_budget,
+    rank_estimates,
 )
+from sharding.costmodel._setup import DTYPE_BYTES
 from sharding.costmodel._steptime import (
     MEMORY_FRACTION,
     CollectiveTime,
@@ -55,13 +61,13 @@ from sharding.costmodel._traffic import Traffic
 
 __all__ = [
     "DEFAULT",
-    "DEFAULT_SIZES",
+    "DTYPE_BYTES",
     "EXPERT_STRATEGIES",
     "LM_FAMILIES",
     "LONG_SEQUENCE",
-    "MAX_AOT_DEVICES",
     "MAX_COMPILES",
     "MEMORY_FRACTION",
+    "OPTIMIZER_MOMENTS",
     "ORDER",
     "SEQUENCE_STRATEGIES",
     "Check",
@@ -72,25 +78,24 @@ __all__ = [
     "Layout",
     "NoFittingStrategyError",
     "NoValidLayoutError",
-    "PlanError",
-    "PlanResult",
     "Prediction",
     "StepTime",
     "StepTimeError",
     "StepWork",
     "Traffic",
     "UnknownStrategyError",
+    "accumulated",
     "called_for",
     "candidates",
-    "check_candidate",
-    "compiled_candidates",
     "few_layouts",
     "layouts",
     "live_fraction",
     "memory_budget",
     "meshes",
-    "plan",
+    "micro_steps",
+    "pipeline_microbatches",
     "predict",
+    "rank_estimates",
     "ring_factor",
     "ring_hops",
     "step_time",

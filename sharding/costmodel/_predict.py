@@ -16,7 +16,6 @@ blocks), one layer's backward transients, FSDP-gathered layer weights, and the f
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from rich.text import Text
 from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel import _lanes
+from sharding.costmodel._batching import accumulated
 from sharding.costmodel._pipesplits import split_pipeline_traffic, splits_inside_stages
 from sharding.costmodel._setup import LM_FAMILIES, CostModelError, Setup, setup
 from sharding.costmodel._traffic import Traffic, traffic
@@ -352,41 +352,6 @@ def predict(
         bubble_fraction=0.0 if sched is None else sched.bubble_fraction,
         notes=notes,
         attention=attention,
-    )
-
-
-# Weight gathers outside the layer stack: loop-invariant, so XLA hoists them out of the
-# accumulation loop (measured: fsdp's head and final-norm gathers, once at every k).
-HOISTED = frozenset({"head weights", "final norm", "position table", "token table", "table gather"})
-
-
-def accumulated(micro: Prediction, k: int) -> Prediction:
-    """The step of ``k`` micro-steps, each ``micro`` (a step of batch / k).
-
-    The compiled step (`sharding.compile_train_step`) scans the micro-batches with the whole
-    forward and backward inside the scan, and XLA keeps the collectives there: the layers'
-    fsdp gathers *and* the gradients' reductions run once per micro-step (measured on llama
-    tiny, accum 1, 2, 4: dp's gradient all-reduce k-fold to the byte, fsdp's layer gathers k
-    times the closed form's), so collectives and FLOPs are k times one micro-step's; only the
-    gathers of weights outside the layer stack (`HOISTED`), the same in every micro-step, are
-    hoisted out of the loop and run once. Memory: one micro-step's activations and working set,
-    the whole batch's token ids, and the float32 gradient sum beside one micro-step's
-    gradients.
-    """
-    return dataclasses.replace(
-        micro,
-        batch=micro.batch * k,
-        accum=k,
-        traffic=[
-            t
-            if t.kind == "all-gather" and t.what in HOISTED
-            else dataclasses.replace(t, bytes=t.bytes * k, count=t.count * k)
-            for t in micro.traffic
-        ],
-        grad_bytes=2 * micro.grad_bytes,
-        batch_bytes=micro.batch_bytes * k,
-        matmul_flops=micro.matmul_flops * k,
-        critical_flops=micro.critical_flops * k,
     )
 
 

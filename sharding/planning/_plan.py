@@ -17,18 +17,20 @@ from typing import Any
 from sharding._attention import check_kind, check_runs_here, runs_here
 from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
 from sharding._workload import Workload
-from sharding.costmodel._check import check_top, devices_here
-from sharding.costmodel._layouts import strategy_names
-from sharding.costmodel._planview import PlanResult
-from sharding.costmodel._predict import OPTIMIZER_MOMENTS
-from sharding.costmodel._search import (
+from sharding.costmodel import (
+    DTYPE_BYTES,
+    LM_FAMILIES,
     MAX_COMPILES,
+    OPTIMIZER_MOMENTS,
+    CostModelError,
     Estimate,
     candidates,
-    compiled_candidates,
     memory_budget,
+    strategy_names,
 )
-from sharding.costmodel._setup import DTYPE_BYTES, LM_FAMILIES, CostModelError
+from sharding.planning._check import check_top, devices_here
+from sharding.planning._compiled import compiled_candidates
+from sharding.planning._planview import PlanResult
 from sharding.targets import Target
 from sharding.targets import target as to_target
 

@@ -9,10 +9,15 @@ from typing import Any
 from sharding._attention import runs_here
 from sharding._devices import cpu_only
 from sharding._mesh import simulate_cpu_devices
-from sharding.costmodel._predict import CostModelError, predict
-from sharding.costmodel._search import Check, Estimate
-from sharding.costmodel._steptime import step_time
-from sharding.costmodel._stepwork import work_from_prediction
+from sharding.comparison import Settings, evaluate
+from sharding.costmodel import (
+    Check,
+    CostModelError,
+    Estimate,
+    predict,
+    step_time,
+    work_from_prediction,
+)
 from sharding.targets import Target, target
 
 
@@ -23,8 +28,6 @@ def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
 
     Needs ``jax.device_count() == tgt.devices``. The compiled step uses AdamW, as compare's.
     """
-    from sharding.comparison import Settings, evaluate
-
     tgt, p = target(tgt), estimate.prediction
     if p is None:
         raise CostModelError(f"{estimate.label}: no closed-form prediction to check")

@@ -11,9 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sharding._units import fmt_bytes, fmt_count
-from sharding.costmodel._search import (
-    Estimate,
-)
+from sharding.costmodel import Estimate
 from sharding.targets import Target
 
 
