@@ -23,7 +23,7 @@ from sharding.comparison import (
     rank,
     recommend,
 )
-from sharding.costmodel import Layout, layouts
+from sharding.costmodel import Layout, layouts, predict
 from sharding.inspection import Peak, UnknownDeviceKindError, device_peak, mfu
 from sharding.targets import target
 
@@ -249,3 +249,22 @@ def test_profile_traces_each_measured_candidates_timed_steps(tmp_path):
         CompareArgumentError, match=r"--profile .*: .*taken is a file; give a folder"
     ):
         compare(llama, strategies="dp", profile=tmp_path / "taken" / "sub")
+
+
+def test_a_pinned_accumulation_gathers_fsdp_weights_once_per_micro_step():
+    """compare --accum 4: the fsdp candidate carries its 4 micro-steps, its compiled step
+    gathers the layers' weights once per micro-step, and the closed form says the same bytes."""
+    result = compare(llama, size="tiny", strategies="fsdp", mesh="fsdp=8", batch=32, seq=32,
+                     dtype="float32", remat="none", accum=4, measure=False)  # fmt: skip
+    [cand] = result.candidates
+    assert cand.accum == 4 and "accum=4" in cand.label
+    gathered = sum(c["bytes"] for c in cand.collectives
+                   if c["kind"] == "all-gather" and tuple(c["axes"]) == ("fsdp",))  # fmt: skip
+    pred = predict(llama, "tiny", "fsdp", {"fsdp": 8}, 32, 32, accum=4)
+    assert gathered == pred.collective_bytes("all-gather", "fsdp")
+    once = predict(llama, "tiny", "fsdp", {"fsdp": 8}, 32, 32)
+    layer = sum(t.bytes for t in once.traffic if t.what.startswith("layer weights"))
+    assert gathered - once.collective_bytes("all-gather", "fsdp") == 3 * layer
+    with pytest.raises(CompareArgumentError, match=r"--accum 3: give a whole number >= 1 that "
+                                                   r"divides --batch 32"):  # fmt: skip
+        compare(llama, size="tiny", strategies="fsdp", batch=32, accum=3, measure=False)

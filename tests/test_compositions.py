@@ -53,11 +53,12 @@ def one_device():
 
 
 def assert_equals_one_device(strategy_name: str, mesh: str, schedule: str | None = None,
-                             method: str | None = None) -> None:  # fmt: skip
+                             method: str | None = None, **kw) -> None:  # fmt: skip
+    """``kw``: remat=, accum_steps= (one device's numbers are the same either way)."""
     want_loss, want_grads, params = one_device()
     prog = build_program(workload(), strategy_name, mesh, batch=BATCH, seq=SEQ,
                          schedule=schedule, microbatches=MICRO if schedule else None,
-                         context_method=method)  # fmt: skip
+                         context_method=method, **kw)  # fmt: skip
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch())
     assert float(loss) == pytest.approx(want_loss, rel=1e-5)
     assert_close(jax.tree.map(np.asarray, grads), want_grads)
@@ -137,16 +138,20 @@ def test_an_old_name_compiles_to_its_compositions_collectives():
 
 # (fsdp+tp+pp under 1f1b on 8 devices: tests/test_user_models.py, with a user's model.)
 EIGHT = [
-    ("fsdp+cp+pp", "stage=2,fsdp=2,context=2", "gpipe", "allgather"),
-    ("tp+sp+cp+pp", "stage=2,context=2,tensor=2", "circular", "ring"),
+    ("fsdp+cp+pp", "stage=2,fsdp=2,context=2", "gpipe", "allgather", "none", 1),
+    ("tp+sp+cp+pp", "stage=2,context=2,tensor=2", "circular", "ring", "none", 1),
+    # remat and accumulation around stages that gather their own fsdp shards
+    ("fsdp+tp+pp", "stage=2,fsdp=2,tensor=2", "1f1b", None, "full", 2),
+    ("fsdp+tp+sp+pp", "stage=2,fsdp=2,tensor=2", "gpipe", None, "dots", 2),
 ]
 
 
 @pytest.mark.skipif(SIXTEEN, reason="the 8-device cases run in the parent process")
-@pytest.mark.parametrize(("strategy_name", "mesh", "schedule", "method"), EIGHT,
-                         ids=["-".join(filter(None, c)) for c in EIGHT])  # fmt: skip
-def test_compositions_equal_one_device(strategy_name, mesh, schedule, method):
-    assert_equals_one_device(strategy_name, mesh, schedule, method)
+@pytest.mark.parametrize(("strategy_name", "mesh", "schedule", "method", "remat", "accum"), EIGHT,
+                         ids=["-".join(map(str, filter(None, c))) for c in EIGHT])  # fmt: skip
+def test_compositions_equal_one_device(strategy_name, mesh, schedule, method, remat, accum):
+    assert_equals_one_device(strategy_name, mesh, schedule, method, remat=remat,
+                             accum_steps=accum)  # fmt: skip
 
 
 # --- the acceptance layouts, on 16 devices ----------------------------------------------------

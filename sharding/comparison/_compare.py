@@ -72,6 +72,7 @@ def compare(
     profile: str | os.PathLike | None = None,
     on_progress: Progress | None = None,
     attention: str | None = None,
+    accum: int | None = None,
 ) -> Comparison:
     """Which strategy for ``model`` on ``target``: `spmdkit compare`.
 
@@ -102,6 +103,10 @@ def compare(
             shipped models "auto": blockwise on a CPU host beyond one block of 512 tokens, so
             the programs priced for a GPU hold what its flash kernel holds). A kernel this host
             cannot compile is refused before anything compiles.
+        accum: run every candidate at this many accumulation micro-steps (the batch's rows per
+            device per micro-step, across layouts, are then batch / accum / batch shards), each
+            remat policy in turn until one fits; a layout the micro-steps do not split evenly is
+            skipped, saying so. Default: accumulation only where memory needs it.
 
     Raises:
         CompareArgumentError (before anything compiles), `NothingMeasuredError` /
@@ -130,6 +135,11 @@ def compare(
                 f"traces, e.g. --profile traces/compare"
             )
         measure = True
+    if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int)
+                              or accum < 1 or batch % accum):  # fmt: skip
+        raise CompareArgumentError(
+            f"--accum {accum!r}: give a whole number >= 1 that divides --batch {batch}"
+        )
     tgt = target if isinstance(target, Target) else parse_target(target)
     dtypes, remats = _choices("--dtype", dtype, DTYPES), _choices("--remat", remat, REMATS)
     budget = (int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_budget is None
@@ -165,7 +175,8 @@ def compare(
             task = f"{layout.label}{' bf16' if dt == 'bfloat16' else ''} on {layout.mesh}"
             progress(task, 0, 1, None)
             try:
-                got = _variants(layout, work, settings, tgt, dt, remats, useful, budget, notes)
+                got = _variants(layout, work, settings, tgt, dt, remats, useful, budget, notes,
+                                accum)  # fmt: skip
             except ValueError as e:  # a layout the model or mesh cannot take: say why
                 skipped.append(Skipped(layout.label, layout.mesh, f"{type(e).__name__}: {e}"))
                 progress(task, 0, 1, "skipped")
@@ -204,14 +215,23 @@ def compare(
 
 def _variants(layout: Layout, work: Workload, settings: Settings, tgt: Target, dtype: str,
               remats: tuple[str, ...] | None, useful: float, budget: int,
-              notes: list[str]) -> list[tuple[Candidate, Any]]:  # fmt: skip
+              notes: list[str], pinned: int | None = None) -> list[tuple[Candidate, Any]]:  # fmt: skip
     """The candidates of one layout at one dtype: each asked remat policy, or (by default) the
-    plain step, then remat and accumulation, stopping at the first that fits ``budget``."""
+    plain step, then remat and accumulation, stopping at the first that fits ``budget``;
+    ``pinned`` fixes the accumulation (each remat policy in turn)."""
+    if pinned is not None and not _splits(layout, settings, pinned):
+        raise CompareArgumentError(
+            f"--accum {pinned}: batch {settings.batch} does not split into {pinned} micro-steps "
+            f"over this mesh's batch shards{' and micro-batches' if layout.schedule else ''}"
+        )
     if remats is not None:
-        return [evaluate(layout, work, settings, tgt, dtype=dtype, remat=r, useful_flops=useful)
-                for r in remats]  # fmt: skip
-    plan = [("none", 1), ("dots", 1), ("full", 1)]
-    plan += [("full", k) for k in (2, 4, 8) if k <= MAX_ACCUM and _splits(layout, settings, k)]
+        return [evaluate(layout, work, settings, tgt, dtype=dtype, remat=r, accum=pinned or 1,
+                         useful_flops=useful) for r in remats]  # fmt: skip
+    if pinned is not None:
+        plan = [(r, pinned) for r in ("none", "dots", "full")]
+    else:
+        plan = [("none", 1), ("dots", 1), ("full", 1)]
+        plan += [("full", k) for k in (2, 4, 8) if k <= MAX_ACCUM and _splits(layout, settings, k)]
     first = None
     for remat, accum in plan:
         got = evaluate(layout, work, settings, tgt, dtype=dtype, remat=remat, accum=accum,
@@ -219,7 +239,7 @@ def _variants(layout: Layout, work: Workload, settings: Settings, tgt: Target, d
         cand = got[0]
         first = first or cand
         if cand.memory_bytes <= budget:
-            if (remat, accum) != ("none", 1):
+            if (remat, accum) != ("none", pinned or 1):
                 notes.append(f"{layout.label} ({dtype}) on {layout.mesh} needs "
                              f"{fmt_bytes(first.memory_bytes)} per device as a plain step: "
                              f"compared with remat={remat}, accum={accum}")  # fmt: skip
