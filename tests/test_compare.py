@@ -257,7 +257,9 @@ def test_a_pinned_accumulation_gathers_fsdp_weights_once_per_micro_step():
     result = compare(llama, size="tiny", strategies="fsdp", mesh="fsdp=8", batch=32, seq=32,
                      dtype="float32", remat="none", accum=4, measure=False)  # fmt: skip
     [cand] = result.candidates
-    assert cand.accum == 4 and "accum=4" in cand.label
+    assert cand.accum == 4 and "accum=4" in cand.label and cand.micro_batch == 1
+    record = cand.to_dict()
+    assert (record["global_batch"], record["micro_batch"], record["accum"]) == (32, 1, 4)
     gathered = sum(c["bytes"] for c in cand.collectives
                    if c["kind"] == "all-gather" and tuple(c["axes"]) == ("fsdp",))  # fmt: skip
     pred = predict(llama, "tiny", "fsdp", {"fsdp": 8}, 32, 32, accum=4)

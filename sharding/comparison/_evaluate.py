@@ -11,6 +11,7 @@ a pipeline's stages add up instead of running side by side); on real devices the
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import statistics
 import time
@@ -89,6 +90,13 @@ class Candidate:
         return mesh_text(self.mesh_sizes)
 
     @property
+    def micro_batch(self) -> int:
+        """Rows each device runs per forward pass (Megatron's micro-batch size): the global
+        batch over the accumulation, the batch shards and a pipeline's micro-batches."""
+        split = math.prod(self.mesh_sizes.get(a, 1) for a in ("data", "fsdp", "expert"))
+        return max(self.batch // (self.accum * split * (self.layout.microbatches or 1)), 1)
+
+    @property
     def step_s(self) -> float:
         """The predicted step time on the target."""
         return self.predicted.step_s
@@ -107,7 +115,8 @@ class Candidate:
         data["layout"]["label"] = self.layout.label
         data.pop("predicted_work")
         data.update(label=self.label, mesh=self.mesh, predicted=self.predicted.to_dict(),
-                    measured_step_s=self.measured_step_s)  # fmt: skip
+                    measured_step_s=self.measured_step_s, global_batch=self.batch,
+                    micro_batch=self.micro_batch)  # fmt: skip
         return data
 
 
