@@ -68,7 +68,7 @@ def comparison_table(
     table = Table(title=f"candidates, ranked by step time {when} (per device, per step)",
                   title_justify="left")  # fmt: skip
     here = any(c.measured_s for c in cands)
-    cols = ["#", "candidate", "splits", "mb x acc", "traffic", "state", "memory", "fits", "step",
+    cols = ["#", "candidate", "splits", "traffic", "state", "memory", "fits", "step",
             "comp+comm+bub", f"{'tok' if unit == 'tokens' else 'smp'}/s/dev", "MFU"]  # fmt: skip
     cols += (["measured"] if measured else ["here"]) if here else []
     for col in [*cols, "compile"]:
@@ -78,7 +78,7 @@ def comparison_table(
         p, fits = c.predicted, c.memory_bytes <= budget
         parts = "+".join(f"{x * 1e3:.2g}" for x in (p.compute_s, p.exposed_comm_s, p.bubble_s))
         row = [
-            str(i), f"{c.label}\n[dim]{c.mesh}[/]", c.split, f"{c.micro_batch} x {c.accum}", _comm(c),
+            str(i), f"{c.label}\n[dim]{c.mesh} mb {c.micro_batch}x{c.accum}[/]", c.split, _comm(c),
             f"{fmt_bytes(c.state_bytes)}\n{c.state_bytes / unsplit_state:.2f}x",
             fmt_bytes(c.memory_bytes), "yes" if fits else "[red]no[/]",
             _ms(time_of(c, measured)), parts, fmt_count(p.throughput_per_device),
@@ -91,8 +91,8 @@ def comparison_table(
                       style="bold green" if i == 1 and fits else None)  # fmt: skip
     table.caption = (
         f"splits: the axes the batch and the weights are split over (from the compiled "
-        f"shardings); mb x acc: rows per device per forward pass x accumulation micro-steps "
-        f"(global batch {cands[0].batch}); traffic: collective bytes per device per step and the largest (AR "
+        f"shardings); mb RxK under each candidate: R rows per device per forward pass, K "
+        f"accumulation micro-steps (global batch {cands[0].batch}); traffic: collective bytes per device per step and the largest (AR "
         f"all-reduce, AG all-gather, RS reduce-scatter, CP permute); train state = params + "
         f"optimizer state per device (x: of the unsplit {fmt_bytes(unsplit_state)}); memory = "
         f"what the compiled step allocates per device, fits = within {fmt_bytes(budget)}; "
