@@ -147,14 +147,6 @@ def check_sequence_split(sequence: tuple[str, ...], mesh: jshard.Mesh, *, pipeli
             f"Use build_program(..., context_method='allgather') (or spmdkit train "
             f"--context-method), or pass kernels= from sharding.context"
         )
-    others = [a for a in () if sizes.get(a, 1) > 1]
-    if pipeline is not None and "context" in sequence and others:
-        raise SequenceLayoutError(
-            f"the strategy splits the sequence over {where} inside a pipeline, on a mesh that "
-            f"also splits {', '.join(f'{a}={sizes[a]}' for a in others)}: a pipeline's stages "
-            f"are manual over context, and context parallelism with those axes inside them is "
-            f"not supported yet; use pp_cp on stage x data x context, or drop stage"
-        )
     if stack is None:
         raise SequenceLayoutError(
             f"the strategy splits the sequence over {where}, which spmdkit applies to the "
