@@ -61,8 +61,8 @@ def strategy(name: str, **names: str | tuple[str, ...]) -> AxisMap:
         >>> strategy("fsdp")["embed"]
         'fsdp'
     """
-    base = STRATEGIES.get(name) if isinstance(name, str) else None
-    base = base if base is not None else composition(name).axis_map
+    known = isinstance(name, str) and name in STRATEGIES
+    base = STRATEGIES[name] if known else composition(name).axis_map
     if not names:
         return base
     if "sequence" in names:  # the step compiler reads it by this name: renamed, it would vanish

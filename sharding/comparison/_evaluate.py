@@ -11,7 +11,6 @@ a pipeline's stages add up instead of running side by side); on real devices the
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import statistics
 import time
@@ -26,7 +25,14 @@ import optax
 from sharding._init import state_bytes
 from sharding._mesh import mesh_text
 from sharding._workload import Workload
-from sharding.costmodel import Layout, StepTime, StepWork, step_time, work_from_report
+from sharding.costmodel import (
+    Layout,
+    StepTime,
+    StepWork,
+    rows_per_pass,
+    step_time,
+    work_from_report,
+)
 from sharding.targets import Target
 from sharding.training import profile_steps
 
@@ -93,8 +99,9 @@ class Candidate:
     def micro_batch(self) -> int:
         """Rows each device runs per forward pass (Megatron's micro-batch size): the global
         batch over the accumulation, the batch shards and a pipeline's micro-batches."""
-        split = math.prod(self.mesh_sizes.get(a, 1) for a in ("data", "fsdp", "expert"))
-        return max(self.batch // (self.accum * split * (self.layout.microbatches or 1)), 1)
+        return max(
+            rows_per_pass(self.batch, self.mesh_sizes, self.accum, self.layout.microbatches), 1
+        )
 
     @property
     def step_s(self) -> float:

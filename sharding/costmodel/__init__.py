@@ -12,7 +12,12 @@ package and `sharding.comparison`, compiles estimates beside their formula and r
 """
 
 from sharding._attention import live_fraction
-from sharding.costmodel._batching import accumulated, micro_steps, pipeline_microbatches
+from sharding.costmodel._batching import (
+    accumulated,
+    micro_steps,
+    pipeline_microbatches,
+    rows_per_pass,
+)
 from sharding.costmodel._layouts import (
     DEFAULT,
     EXPERT_STRATEGIES,
@@ -98,6 +103,7 @@ __all__ = [
     "rank_estimates",
     "ring_factor",
     "ring_hops",
+    "rows_per_pass",
     "step_time",
     "strategy_names",
     "work_from_prediction",

@@ -20,10 +20,20 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+from sharding._mesh import BATCH_AXES
+
 if TYPE_CHECKING:  # _layouts imports _predict, which prices accumulation here
     from sharding.costmodel._layouts import Layout
 
-BATCH_SPLIT = ("data", "fsdp", "expert")
+
+def rows_per_pass(
+    batch: int, sizes: dict[str, int], accum: int = 1, microbatches: int | None = None
+) -> int:
+    """Rows each device runs per forward pass (Megatron's micro-batch size): the global batch
+    over the accumulation steps, the batch shards (`sharding.BATCH_AXES`) and a pipeline's
+    micro-batches."""
+    split = math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+    return batch // (accum * split * (microbatches or 1))
 
 
 def pipeline_microbatches(sizes: dict[str, int], batch: int) -> int | None:
@@ -31,7 +41,7 @@ def pipeline_microbatches(sizes: dict[str, int], batch: int) -> int | None:
     evenly over the batch shards, preferring 4p, 2p, then p (a smaller bubble), else the most
     up to 4p that is at least p (a 252-row batch on 4 shards over 18 stages: 63), else the
     fewest above 4p; None if no count of at least p splits it."""
-    p, split = sizes.get("stage", 1), math.prod(sizes.get(a, 1) for a in BATCH_SPLIT)
+    p, split = sizes.get("stage", 1), math.prod(sizes.get(a, 1) for a in BATCH_AXES)
     if batch % split:
         return None
     counts = [m for m in range(p, batch // split + 1) if (batch // split) % m == 0]
@@ -48,7 +58,7 @@ def micro_steps(
     the micro-batch count of its micro-step (`pipeline_microbatches`). ``accum`` and
     ``micro_batch`` (rows per device per forward pass) pin them."""
     sizes = layout.sizes
-    split = math.prod(sizes.get(a, 1) for a in BATCH_SPLIT)
+    split = math.prod(sizes.get(a, 1) for a in BATCH_AXES)
     if batch % split:
         return []
     out = []
@@ -61,7 +71,7 @@ def micro_steps(
             if m is None:
                 continue
             run = dataclasses.replace(layout, microbatches=m)
-        rows = batch // (k * split * (run.microbatches if run.schedule is not None else 1))
+        rows = rows_per_pass(batch, sizes, k, run.microbatches if run.schedule else None)
         if micro_batch is None or rows == micro_batch:
             out.append((k, run))
     return out
@@ -102,4 +112,4 @@ def accumulated(micro: Any, k: int) -> Any:
     )
 
 
-__all__ = ["HOISTED", "accumulated", "micro_steps", "pipeline_microbatches"]
+__all__ = ["HOISTED", "accumulated", "micro_steps", "pipeline_microbatches", "rows_per_pass"]

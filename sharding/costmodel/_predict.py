@@ -27,7 +27,7 @@ from rich.text import Text
 from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel import _lanes
-from sharding.costmodel._batching import accumulated
+from sharding.costmodel._batching import accumulated, rows_per_pass
 from sharding.costmodel._pipesplits import split_pipeline_traffic, splits_inside_stages
 from sharding.costmodel._setup import LM_FAMILIES, CostModelError, Setup, setup
 from sharding.costmodel._traffic import Traffic, traffic
@@ -82,9 +82,8 @@ class Prediction:
     def micro_batch(self) -> int:
         """Rows each device runs per forward pass: batch / (accum x batch shards), and / m
         inside a pipeline's micro-batches (Megatron's micro-batch size)."""
-        split = math.prod(self.mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
-        m = self.pipeline["microbatches"] if self.pipeline else 1
-        return self.batch // (self.accum * split * m)
+        m = self.pipeline["microbatches"] if self.pipeline else None
+        return rows_per_pass(self.batch, self.mesh, self.accum, m)
 
     def collective_bytes(self, kind: str | None = None, axes: str | tuple | None = None) -> int:
         """Bytes per device per step, of ``kind`` and over exactly ``axes`` if given."""

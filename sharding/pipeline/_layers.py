@@ -229,14 +229,21 @@ def gather_fsdp(w: Any, dims: list | None) -> Any:
 
 
 def scatter_fsdp(g: jax.Array, d: tuple | None) -> jax.Array:
-    """The gradient of a weight `gather_fsdp` gathered, reduce-scattered back to its fsdp shard
-    (in float32 for floating-point g): the explicit schedules' own transpose of the gather."""
+    """The gradient of a weight `gather_fsdp` gathered, reduce-scattered back to its fsdp shard:
+    the explicit schedules' own transpose of the gather."""
     for k, entry in enumerate(d or ()):
         if entry == "fsdp":
-            dtype = g.dtype
-            g = lax.psum_scatter(g.astype(jnp.float32), "fsdp", scatter_dimension=2 + k,
-                                 tiled=True).astype(dtype)  # fmt: skip
+            g = psum_scatter32(g, "fsdp", 2 + k)
     return g
+
+
+def psum_scatter32(x: jax.Array, axis: str, dimension: int = 0) -> jax.Array:
+    """``lax.psum_scatter`` over ``dimension`` (tiled), in float32 for floating-point x (see
+    `varying`)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return lax.psum_scatter(x, axis, scatter_dimension=dimension, tiled=True)
+    wide = x.astype(jnp.float32)
+    return lax.psum_scatter(wide, axis, scatter_dimension=dimension, tiled=True).astype(x.dtype)
 
 
 def row_axes(reps: tuple[str, ...]) -> tuple[str, ...]:

@@ -161,12 +161,16 @@ def pipelined_loss(
     pipeline (an expert's weights over ``expert``) enters its stage split so.
     """
     layout = layout or Whole()
-    dims = layer_dims(shardings, stack, replicas(layout.outer, mesh))
+    reps = replicas(layout.outer, mesh)
+    dims = layer_dims(shardings, stack, reps)
+    # Stages manual over fsdp gather their own weights inside (`gather_fsdp`): then only what
+    # is outside the stack is gathered whole before the ticks.
+    gather_stack = gathered is not None and "fsdp" not in reps
     if stage_layers is not None and len(set(stage_layers)) == 1:
         stage_layers = None  # equal stages: the stack's own layout, no slots to gather
     if schedule.explicit:
         return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
-                              stage_layers, layout, dims)  # fmt: skip
+                              stage_layers, layout, dims, gather_stack)  # fmt: skip
     m = schedule.microbatches
 
     def run(call: StackCall) -> Any:
@@ -177,8 +181,7 @@ def pipelined_loss(
         seq = _seq_len(h)
         h_m = to_microbatches(layout.enter(h), m, mesh, layout.axes, seq)
         extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
-        whole = None if gathered is None or "fsdp" in replicas(layout.outer, mesh) else gathered
-        layers = _gather(call.state, None if whole is None else split_state(whole, stack)[0])
+        layers = _gather(call.state, split_state(gathered, stack)[0] if gather_stack else None)
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
         # head runs over all devices), not on all of them on every stage: the last stage's
         # rows are reduce-scattered over the stages rather than all-reduced to each.
@@ -210,6 +213,7 @@ def _loss_explicit(
     stage_layers: tuple[int, ...] | None = None,
     layout: Any = None,
     dims: list | None = None,
+    gather_stack: bool = True,
 ) -> jax.Array:
     p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
@@ -234,9 +238,7 @@ def _loss_explicit(
     _, rest = split_state(state, stack)
     whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
     rest = _gather(rest, whole_rest)
-    # Stages manual over fsdp gather their own weights inside (`gather_fsdp`).
-    own = "fsdp" in replicas(layout.outer, mesh)
-    layers, valid = _gather(call.state, None if own else whole_stack), None
+    layers, valid = _gather(call.state, whole_stack if gather_stack else None), None
     if stage_layers is None:
         layers = stage_view(layers, p, r)
     else:  # stage s, chunk c holds layer_slots' index[s, c]; spare slots are skipped

@@ -34,6 +34,7 @@ from sharding.pipeline._layers import (
     micro_spec,
     per_leaf,
     psum32,
+    psum_scatter32,
     replicas,
     row_axes,
     seq_tail,
@@ -276,7 +277,7 @@ def scan_pipeline(
         if not rows:
             return psum32(outs, "stage"), means
         outs = from_microbatches(outs)  # this data shard's rows, in their global order
-        return (_psum_scatter32(outs, "stage") if scatter else psum32(outs, "stage")), means
+        return (psum_scatter32(outs, "stage") if scatter else psum32(outs, "stage")), means
 
     spec_layers = per_leaf(lambda _, d: layer_spec(d), stage_layers, dims)
     # Manual over stage (the schedule) and data (so the gradient psum can be placed); fsdp and
@@ -293,13 +294,6 @@ def scan_pipeline(
         axis_names={"stage", *reps},
     )(stage_layers, h_m, extras_m)
     return (outs, *means) if sides else outs
-
-
-def _psum_scatter32(x: jax.Array, axis: str) -> jax.Array:
-    """``lax.psum_scatter`` over the leading axis (tiled), in float32 for floating-point x."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
-        return lax.psum_scatter(x, axis, tiled=True)
-    return lax.psum_scatter(x.astype(jnp.float32), axis, tiled=True).astype(x.dtype)
 
 
 def rows_over_stages(
