@@ -11,7 +11,7 @@ hand).
 Example:
     >>> from sharding import make_mesh
     >>> bound = BoundStrategy.of("fsdp+tp+sp+pp", make_mesh("stage=2,fsdp=2,tensor=2"))
-    >>> bound.pipelined, place.batch_axes, place.sequence, place.manual
+    >>> bound.pipelined, bound.batch_axes, bound.sequence, bound.manual
     (True, ('fsdp',), ('tensor',), ('stage', 'data', 'fsdp'))
 """
 

@@ -30,22 +30,18 @@ from sharding._checks import (
     takes_remat,
 )
 from sharding._init import abstract_params
+from sharding._layout import StepLayout
 from sharding._program import TrainProgram
-from sharding._resolve import resolve_reporting
 from sharding._sequence import SequenceLayout
 from sharding._shardings import (  # noqa: F401  (re-exported: the errors are the step's)
     AccumulationError,
     BatchShardingError,
     check_batch_split,
-    check_no_stage_split,
-    check_stack_staged,
     layer_wrapper,
     remat_wrapper,
-    shardings_like_params,
-    stage_weights_whole_over_fsdp,
 )
 from sharding._stack import StackError, find_stack, n_layers, scan_call, taken_over
-from sharding.pipeline import PipelineSpec, check_pipeline, pipelined_loss
+from sharding.pipeline import PipelineSpec, Schedule, check_pipeline, pipelined_loss
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -111,6 +107,79 @@ def compile_train_step(
         >>> state, metrics = program.step(state, batch)  # doctest: +SKIP
     """
     fn = "compile_train_step"
+    dtype = _checked(fn, make_model, loss_fn, optimizer, rules, axis_map, mesh, batch_shapes,
+                     accum_steps, check_batch, clip_norm, kernels, use_kernels, pipeline,
+                     compute_dtype)  # fmt: skip
+    sequence = SequenceLayout.of(axis_map, mesh, pipeline=pipeline, stack=stack,
+                                 kernels=kernels or {})  # fmt: skip
+    wrap = layer_wrapper(remat, mesh, sequence.axes)
+    # Without a stack, a loss with a remat= keyword applies the policy itself (the layer wrapper).
+    remat_kw = stack is None and takes_remat(loss_fn)
+    check_batch_split(batch_shapes, dict(mesh.shape), accum_steps)
+    if clip_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
+
+    graphdef, params = abstract_params(lambda: make_model(nnx.Rngs(0)))
+    schedule = _schedule(fn, graphdef, params, pipeline, stack, mesh, batch_shapes, accum_steps)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    layout = StepLayout.of(rules, axis_map, mesh, params, opt_state, sequence=sequence,
+                           stack=stack, schedule=schedule, fn=fn,
+                           stage_layers=pipeline.stage_layers if pipeline else None)  # fmt: skip
+    if remat != "none" and stack is None and not remat_kw:
+        raise StepConfigError(
+            f"{fn}(remat={remat!r}): spmdkit applies a remat policy to each layer of the model's "
+            f"layer stack, and no stack was named; pass stack='<module path>' (e.g. "
+            f"stack='layers'), or use remat='none'"
+        )
+
+    def init(seed: jax.Array) -> dict[str, Any]:
+        model = make_model(nnx.Rngs(jax.random.key(seed)))
+        p = nnx.state(model, nnx.Param)
+        return {"params": p, "opt_state": optimizer.init(p), "step": jnp.zeros((), jnp.int32)}
+
+    def micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
+        if batch_order is not None:
+            micro = batch_order(micro)
+        if not kernels:
+            return _micro_loss(p, micro)
+        with use_kernels(**kernels):
+            return _micro_loss(p, micro)
+
+    def _micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
+        cast = jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
+        )
+        model = nnx.merge(graphdef, cast)
+        if layout.staging is not None:
+            return pipelined_loss(loss_fn, model, micro, layout.staging, remat_wrapper(remat))
+        if stack is None:
+            return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)
+        run = sequence.runner(wrap) or (lambda call: scan_call(call, wrap))
+        with taken_over(model, stack, run) as calls:
+            value = loss_fn(model, micro)
+        if not calls:
+            raise StackError(
+                f"the loss never called the stack {stack!r}; spmdkit applies remat and pipelines "
+                f"through that call, so the model must apply its layers as "
+                f"self.{stack.rsplit('/', 1)[-1]}(h, ...) (not with a function of the module)"
+            )
+        return value
+
+    if stack is not None:
+        # Trace once now (abstractly: nothing runs or compiles) so that a model the stack seam
+        # cannot take is refused here, by name, not at the first step.
+        micro = {k: jax.ShapeDtypeStruct((v.shape[0] // accum_steps, *v.shape[1:]), v.dtype)
+                 for k, v in batch_shapes.items()}  # fmt: skip
+        jax.eval_shape(micro_loss, params, micro)
+    return _program(layout, graphdef, params, opt_state, init, micro_loss, optimizer,
+                    batch_shapes, accum_steps, schedule, pipeline, check_batch)  # fmt: skip
+
+
+def _checked(fn: str, make_model: Any, loss_fn: Any, optimizer: Any, rules: Any, axis_map: Any,
+             mesh: Any, batch_shapes: Any, accum_steps: Any, check_batch: Any, clip_norm: Any,
+             kernels: Any, use_kernels: Any, pipeline: Any, compute_dtype: Any) -> Any:  # fmt: skip
+    """The arguments' types and values, refused by name before anything is traced; returns the
+    compute dtype."""
     check_callable(fn, "make_model", make_model, "a function rngs -> nnx.Module")
     check_callable(fn, "loss_fn", loss_fn, "a loss function (model, batch, *, remat) -> scalar")
     check_optimizer(fn, optimizer)
@@ -136,17 +205,14 @@ def compile_train_step(
         raise StepConfigError(
             f"unknown compute dtype {compute_dtype!r}; choose one of {list(COMPUTE_DTYPES)}"
         )
-    dtype = COMPUTE_DTYPES[compute_dtype]
-    sequence = SequenceLayout.of(axis_map, mesh, pipeline=pipeline, stack=stack,
-                                 kernels=kernels or {})  # fmt: skip
-    wrap = layer_wrapper(remat, mesh, sequence.axes)
-    # Without a stack, a loss with a remat= keyword applies the policy itself (the layer wrapper).
-    remat_kw = stack is None and takes_remat(loss_fn)
-    check_batch_split(batch_shapes, dict(mesh.shape), accum_steps)
-    if clip_norm is not None:
-        optimizer = optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
+    return COMPUTE_DTYPES[compute_dtype]
 
-    graphdef, params = abstract_params(lambda: make_model(nnx.Rngs(0)))
+
+def _schedule(fn: str, graphdef: Any, params: Any, pipeline: PipelineSpec | None,
+              stack: str | None, mesh: jshard.Mesh, batch_shapes: dict,
+              accum_steps: int) -> Schedule | None:  # fmt: skip
+    """The pipeline's schedule checked against the stack's depth and each micro-step's rows
+    (None without a pipeline)."""
     if pipeline is not None and stack is None:
         raise StepConfigError(
             f"{fn}(pipeline={pipeline.schedule!r}): a pipeline splits the model's layer stack "
@@ -154,90 +220,21 @@ def compile_train_step(
         )
     if stack is not None:
         depth = n_layers(find_stack(nnx.merge(graphdef, params), stack))
-    schedule = None
-    if pipeline is not None:
-        batch = next(iter(batch_shapes.values())).shape[0]
-        schedule = check_pipeline(pipeline, mesh, depth, batch // accum_steps)
-    param_shardings, unused_rules = resolve_reporting(rules, axis_map, params, mesh, fn=fn)
-    gathered = None
-    if pipeline is not None:
-        check_stack_staged(param_shardings, stack, mesh)
-        gathered = stage_weights_whole_over_fsdp(param_shardings, mesh)
-    else:
-        check_no_stage_split(param_shardings, mesh)
-    if remat != "none" and stack is None and not remat_kw:
-        raise StepConfigError(
-            f"{fn}(remat={remat!r}): spmdkit applies a remat policy to each layer of the model's "
-            f"layer stack, and no stack was named; pass stack='<module path>' (e.g. "
-            f"stack='layers'), or use remat='none'"
-        )
-    opt_state = jax.eval_shape(optimizer.init, params)
-    abstract_state = {
-        "params": params,
-        "opt_state": opt_state,
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-    }
-    replicated = jshard.NamedSharding(mesh, jshard.PartitionSpec())
-    state_shardings = {
-        "params": param_shardings,
-        "opt_state": shardings_like_params(opt_state, params, param_shardings, mesh),
-        "step": replicated,
-    }
-    sequence.bind(params, param_shardings, stack)
+    if pipeline is None:
+        return None
+    batch = next(iter(batch_shapes.values())).shape[0]
+    return check_pipeline(pipeline, mesh, depth, batch // accum_steps)
 
-    def init(seed: jax.Array) -> dict[str, Any]:
-        model = make_model(nnx.Rngs(jax.random.key(seed)))
-        p = nnx.state(model, nnx.Param)
-        return {"params": p, "opt_state": optimizer.init(p), "step": jnp.zeros((), jnp.int32)}
 
-    def micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
-        if batch_order is not None:
-            micro = batch_order(micro)
-        if not kernels:
-            return _micro_loss(p, micro)
-        with use_kernels(**kernels):
-            return _micro_loss(p, micro)
-
-    def _micro_loss(p: Any, micro: dict[str, jax.Array]) -> jax.Array:
-        cast = jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
-        )
-        model = nnx.merge(graphdef, cast)
-        if schedule is not None:
-            return pipelined_loss(
-                loss_fn,
-                model,
-                micro,
-                stack,
-                schedule,
-                mesh,
-                remat_wrapper(remat),
-                gathered,
-                pipeline.stage_layers,
-                sequence,
-                param_shardings,
-            )
-        if stack is None:
-            return loss_fn(model, micro, remat=wrap) if remat_kw else loss_fn(model, micro)
-        run = sequence.runner(wrap) or (lambda call: scan_call(call, wrap))
-        with taken_over(model, stack, run) as calls:
-            value = loss_fn(model, micro)
-        if not calls:
-            raise StackError(
-                f"the loss never called the stack {stack!r}; spmdkit applies remat and pipelines "
-                f"through that call, so the model must apply its layers as "
-                f"self.{stack.rsplit('/', 1)[-1]}(h, ...) (not with a function of the module)"
-            )
-        return value
-
+def _program(layout: StepLayout, graphdef: Any, params: Any, opt_state: Any, init: Callable,
+             micro_loss: Callable, optimizer: optax.GradientTransformation, batch_shapes: dict,
+             accum_steps: int, schedule: Schedule | None, pipeline: PipelineSpec | None,
+             check_batch: Callable | None) -> TrainProgram:  # fmt: skip
+    """The jitted initialiser, step, gradient and loss of ``micro_loss`` under ``layout``, with
+    ``accum_steps`` micro-steps summed per step."""
     grad_fn = jax.value_and_grad(micro_loss)
-    if stack is not None:
-        # Trace once now (abstractly: nothing runs or compiles) so that a model the stack seam
-        # cannot take is refused here, by name, not at the first step.
-        micro = {k: jax.ShapeDtypeStruct((v.shape[0] // accum_steps, *v.shape[1:]), v.dtype)
-                 for k, v in batch_shapes.items()}  # fmt: skip
-        jax.eval_shape(micro_loss, params, micro)
-    batch_shardings, micro_shardings = sequence.batch_shardings(batch_shapes)  # after the trace
+    batch_shardings, micro_shardings = layout.batch(batch_shapes)  # after the trace
+    param_shardings, state_shardings = layout.params, layout.state
 
     def accumulate(p: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
         if accum_steps == 1:
@@ -268,6 +265,7 @@ def compile_train_step(
         new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
+    replicated = layout.replicated
     init_fn = jax.jit(init, out_shardings=state_shardings)
     grad_only = jax.jit(
         accumulate,
@@ -283,8 +281,13 @@ def compile_train_step(
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
+    abstract_state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
     return TrainProgram(
-        mesh=mesh,
+        mesh=layout.mesh,
         graphdef=graphdef,
         abstract_state=abstract_state,
         state_shardings=state_shardings,
@@ -298,5 +301,5 @@ def compile_train_step(
         schedule=schedule,
         pipeline=pipeline,
         check_batch=check_batch,
-        unused_rules=unused_rules,
+        unused_rules=layout.unused_rules,
     )

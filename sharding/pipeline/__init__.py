@@ -9,7 +9,7 @@ loaded and what the bubble costs in FLOPs. Every error is a `PipelineError`.
 from sharding.pipeline._balance import StageLayersError, balance_layers, check_stage_layers
 from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._layers import replicas as stage_manual_axes
-from sharding.pipeline._loss import pipelined_loss
+from sharding.pipeline._loss import Staging, pipelined_loss
 from sharding.pipeline._scan import PipelineConfigError, PipelineSpec, check_pipeline
 from sharding.pipeline._schedule import (
     EXPLICIT,
@@ -54,6 +54,7 @@ __all__ = [
     "StageLayersError",
     "StageLoad",
     "StageReport",
+    "Staging",
     "TickCosts",
     "TooFewMicrobatchesError",
     "UnknownScheduleError",

@@ -45,7 +45,6 @@ from sharding.pipeline._layers import (
     micro_spec,
     per_leaf,
     psum32,
-    replicas,
     stage_weights,
     summed_grad,
     uniform,
@@ -109,6 +108,7 @@ def explicit_pipeline(
     seq: int | None = None,
     enter: Callable | None = None,
     dims: list | None = None,
+    manual: tuple[str, ...],
 ) -> jax.Array:
     """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest` and the
     floating-point `extras_m`.
@@ -126,13 +126,13 @@ def explicit_pipeline(
         extras_m: the stack's extra inputs, each ``[m, b, ...]``; batch_m: the batch as
             ``[m, b, ...]``.
         sequence, seq: the axes splitting the stack's sequence (of length ``seq``) outside the
-            layers; over context, the region is manual over it too (`replicas`) and each
+            layers; over context, the region is manual over it too (``manual``) and each
             device's loss is the mean over its slice of the sequence. ``enter``: applied to the
             stack's input after ``embed`` (Megatron SP's split over the sequence), None: none.
-        dims: per leaf of ``layers`` (flattened), the manual axes splitting its own dimensions.
+        dims, manual: per leaf of ``layers`` (flattened), the manual axes splitting its own
+            dimensions; the axes the stages are manual over besides stage (`Staging.manual`).
     """
-    reps = replicas(sequence, mesh)
-    auto = sorted(a for a, n in mesh.shape.items() if n > 1 and a not in {"stage", *reps})
+    auto = sorted(a for a, n in mesh.shape.items() if n > 1 and a not in {"stage", *manual})
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
     fixed = [x for x, f in zip(extras_m, floats, strict=True) if not f]
 
@@ -142,9 +142,9 @@ def explicit_pipeline(
 
     def run(layers: Any, rest: Any, fex: list) -> tuple[jax.Array, tuple]:
         layer_specs = per_leaf(lambda _, d: layer_spec(d), layers, dims)
-        micro = lambda x: micro_spec(x, reps, seq)  # noqa: E731
+        micro = lambda x: micro_spec(x, manual, seq)  # noqa: E731
         body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, embed,
-                                 schedule, floats, valid, reps, enter, dims, bool(auto))  # fmt: skip
+                                 schedule, floats, valid, manual, enter, dims, bool(auto))  # fmt: skip
         return jax.shard_map(
             body,
             mesh=mesh,
@@ -152,7 +152,7 @@ def explicit_pipeline(
                       [micro(x) for x in extras_m], jax.tree.map(micro, batch_m)),
             out_specs=(P(), (layer_specs, jax.tree.map(lambda _: P(), rest),
                              [micro(x) for x in fex])),
-            axis_names={"stage", *reps},
+            axis_names={"stage", *manual},
         )(layers, rest, merged(fex), batch_m)  # fmt: skip
 
     @jax.custom_vjp

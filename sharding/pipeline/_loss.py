@@ -29,7 +29,6 @@ from sharding._stack import (
 )
 from sharding.pipeline._balance import layer_slots
 from sharding.pipeline._explicit import explicit_pipeline
-from sharding.pipeline._layers import replicas
 from sharding.pipeline._scan import (
     PipelineConfigError,
     rows_over_stages,
@@ -129,48 +128,81 @@ def _only_call(calls: list[StackCall], path: str) -> StackCall:
     return calls[0]
 
 
+@dataclass(frozen=True)
+class Staging:
+    """Where a pipelined step puts everything, answered once by the step compiler
+    (`sharding.compile_train_step`'s layout) and read here as it is.
+
+    ``stack``: the layer stack's module path; ``manual``: the axes the stages are manual over
+    besides ``stage`` (`replicas`); ``gathered``: the parameters' shardings without ``fsdp``
+    (None when fsdp is 1): each stage's weights (and, in the explicit schedules, those the loss
+    reads per micro-batch) are gathered once per step, their gradients reduced once;
+    ``stage_layers``: balanced stages (`layer_slots`); ``sequence``: how the strategy splits the
+    sequence (`Whole`'s interface: over context the stages are manual over it, over tensor,
+    Megatron SP, each layer's modules are pinned and the activations cross stages split);
+    ``shardings``: the parameters' shardings (a stack weight split over a manual axis, an
+    expert's over ``expert``, enters its stage split so).
+    """
+
+    mesh: jshard.Mesh
+    stack: str
+    schedule: Schedule
+    manual: tuple[str, ...]
+    gathered: Any = None
+    stage_layers: tuple[int, ...] | None = None
+    sequence: Any = Whole()
+    shardings: Any = None
+
+    @property
+    def dims(self) -> list | None:
+        """Per stack weight (flattened), the manual axes that split its own dimensions (after
+        the layer axis), None for one they do not; None when none is split so."""
+        if self.shardings is None:
+            return None
+        manual = self.manual
+        kept = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in manual)  # noqa: E731
+        dims = []
+        for sh in jax.tree.leaves(split_state(self.shardings, self.stack)[0]):
+            own = tuple((k[0] if len(k) == 1 else k) if (k := kept(e)) else None
+                        for e in tuple(sh.spec)[1:])  # fmt: skip
+            dims.append(own if any(own) else None)
+        return dims if any(dims) else None
+
+    @property
+    def gather_stack(self) -> bool:
+        """Whether the stack's weights are gathered whole over fsdp before the ticks (stages
+        manual over fsdp gather their own inside, `gather_fsdp`, and then only what is outside
+        the stack is gathered before)."""
+        return self.gathered is not None and "fsdp" not in self.manual
+
+    @property
+    def slots(self) -> tuple[int, ...] | None:
+        """``stage_layers`` where the stages are unequal, None for equal ones."""
+        if self.stage_layers is None or len(set(self.stage_layers)) == 1:
+            return None
+        return self.stage_layers
+
+
 def pipelined_loss(
     loss_fn: Callable[[nnx.Module, dict], jax.Array],
     model: nnx.Module,
     batch: dict[str, jax.Array],
-    stack: str,
-    schedule: Schedule,
-    mesh: jshard.Mesh,
+    where: Staging,
     wrap: Callable | None,
-    gathered: Any = None,
-    stage_layers: tuple[int, ...] | None = None,
-    layout: Any = None,
-    shardings: Any = None,
 ) -> jax.Array:
     """``loss_fn(model, batch)``, the user's function as written, with the stack at module path
-    ``stack`` pipelined over ``stage``.
-
-    ``gathered``: shardings of the parameters without the ``fsdp`` axis (pp_fsdp): each stage's
-    weights (and, in the explicit schedules, those the loss reads per micro-batch) are gathered once per step
-    before the ticks, their gradients reduced once after, not once per layer per tick.
+    ``where.stack`` pipelined over ``stage`` as ``where`` places it (`Staging`); ``wrap``: each
+    layer's remat policy.
 
     gpipe and circular run the whole loss once with the stack's call replaced by the pipeline.
     1f1b, interleaved and zb-h1 run the part after the stack per micro-batch on the last stage
     and average: exact for a loss that is a mean over the batch's rows (plus terms that read no
-    stack weight). ``stage_layers``: balanced stages (`layer_slots`), None for equal ones.
-    ``layout``: how the strategy splits the sequence (`Whole`'s interface; None: it does not).
-    Over context, the micro-batches and the stack's output keep the split and the stages are
-    manual over context; over tensor (Megatron SP), each layer's modules are pinned as without
-    a pipeline, and the activations cross stages split over the sequence.
-    ``shardings``: the parameters' shardings; a stack weight split over a manual axis of the
-    pipeline (an expert's weights over ``expert``) enters its stage split so.
+    stack weight).
     """
-    layout = layout or Whole()
-    reps = replicas(layout.outer, mesh)
-    dims = layer_dims(shardings, stack, reps)
-    # Stages manual over fsdp gather their own weights inside (`gather_fsdp`): then only what
-    # is outside the stack is gathered whole before the ticks.
-    gather_stack = gathered is not None and "fsdp" not in reps
-    if stage_layers is not None and len(set(stage_layers)) == 1:
-        stage_layers = None  # equal stages: the stack's own layout, no slots to gather
-    if schedule.explicit:
-        return _loss_explicit(loss_fn, model, batch, stack, schedule, mesh, wrap, gathered,
-                              stage_layers, layout, dims, gather_stack)  # fmt: skip
+    if where.schedule.explicit:
+        return _loss_explicit(loss_fn, model, batch, where, wrap)
+    stack, schedule, mesh, layout = where.stack, where.schedule, where.mesh, where.sequence
+    stage_layers, gathered, dims = where.slots, where.gathered, where.dims
     m = schedule.microbatches
 
     def run(call: StackCall) -> Any:
@@ -181,7 +213,8 @@ def pipelined_loss(
         seq = _seq_len(h)
         h_m = to_microbatches(layout.enter(h), m, mesh, layout.axes, seq)
         extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
-        layers = _gather(call.state, split_state(gathered, stack)[0] if gather_stack else None)
+        whole = split_state(gathered, stack)[0] if where.gather_stack else None
+        layers = _gather(call.state, whole)
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
         # head runs over all devices), not on all of them on every stage: the last stage's
         # rows are reduce-scattered over the stages rather than all-reduced to each.
@@ -189,7 +222,8 @@ def pipelined_loss(
                                                               schedule.repeats)  # fmt: skip
         out = scan_pipeline(extras.layer_fn(call, layout.pin), layers, h_m, extras_m, mesh=mesh,
                             schedule=schedule, wrap=wrap, rows=True, slots=slots,
-                            sequence=layout.outer, sides=sides, dims=dims)  # fmt: skip
+                            sequence=layout.outer, sides=sides, dims=dims,
+                            manual=where.manual)  # fmt: skip
         y = rows_over_stages(layout.leave(out[0] if sides else out), mesh, layout.outer, seq)
         if not sides:
             return y
@@ -205,16 +239,11 @@ def _loss_explicit(
     loss_fn: Callable[[nnx.Module, dict], jax.Array],
     model: nnx.Module,
     batch: dict[str, jax.Array],
-    stack: str,
-    schedule: Schedule,
-    mesh: jshard.Mesh,
+    where: Staging,
     wrap: Callable | None,
-    gathered: Any = None,
-    stage_layers: tuple[int, ...] | None = None,
-    layout: Any = None,
-    dims: list | None = None,
-    gather_stack: bool = True,
 ) -> jax.Array:
+    stack, schedule, mesh, layout = where.stack, where.schedule, where.mesh, where.sequence
+    stage_layers, gathered = where.slots, where.gathered
     p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
 
@@ -238,7 +267,7 @@ def _loss_explicit(
     _, rest = split_state(state, stack)
     whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
     rest = _gather(rest, whole_rest)
-    layers, valid = _gather(call.state, whole_stack if gather_stack else None), None
+    layers, valid = _gather(call.state, whole_stack if where.gather_stack else None), None
     if stage_layers is None:
         layers = stage_view(layers, p, r)
     else:  # stage s, chunk c holds layer_slots' index[s, c]; spare slots are skipped
@@ -286,21 +315,7 @@ def _loss_explicit(
     return explicit_pipeline(extras.layer_fn(call, layout.pin), wrap, head_loss, embed, layers,
                              rest, extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid,
                              sequence=layout.outer, seq=seq, enter=layout.enter,
-                             dims=dims)  # fmt: skip
-
-
-def layer_dims(shardings: Any, stack: str, reps: tuple[str, ...]) -> list | None:
-    """Per stack weight (flattened), the pipeline's manual axes that split its own dimensions
-    (after the layer axis), None for one they do not; None when none is split so."""
-    if shardings is None:
-        return None
-    kept = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in reps)  # noqa: E731
-    dims = []
-    for sh in jax.tree.leaves(split_state(shardings, stack)[0]):
-        own = tuple((k[0] if len(k) == 1 else k) if (k := kept(e)) else None
-                    for e in tuple(sh.spec)[1:])  # fmt: skip
-        dims.append(own if any(own) else None)
-    return dims if any(dims) else None
+                             dims=where.dims, manual=where.manual)  # fmt: skip
 
 
 def activations(call: StackCall) -> jax.Array:
@@ -382,4 +397,4 @@ def reads_inputs(fn: Callable, args: tuple) -> bool:
     return bool(first & used)
 
 
-__all__ = ["Extras", "Whole", "pipelined_loss", "reads_inputs"]
+__all__ = ["Extras", "Staging", "Whole", "pipelined_loss", "reads_inputs"]

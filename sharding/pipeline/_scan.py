@@ -144,6 +144,7 @@ def scan_pipeline(
     sequence: tuple[str, ...] = (),
     sides: tuple[Any, ...] = (),
     dims: list | None = None,
+    manual: tuple[str, ...] | None = None,
 ) -> Any:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
@@ -161,11 +162,13 @@ def scan_pipeline(
     to them: each stage starts every micro-batch from zeros and adds its layers' terms, and the
     result is ``(outputs, *sides)`` with each side value the mean over micro-batches and the
     manual batch shards (data, expert) of their sums over the layers (a batch statistic per
-    micro-batch, as with gradient accumulation). ``dims``: per leaf of ``layers`` (flattened), the manual axes splitting its
-    own dimensions (`layer_dims`), None when none is.
+    micro-batch, as with gradient accumulation). ``dims``: per leaf of ``layers`` (flattened),
+    the manual axes splitting its own dimensions (`layer_dims`), None when none is.
+    ``manual``: the axes the stages are manual over besides ``stage``, as the step placed them
+    (`Staging.manual`); None: `replicas` of ``sequence`` on ``mesh``.
     Differentiated by autodiff through the scan.
     """
-    reps = replicas(sequence, mesh)
+    reps = replicas(sequence, mesh) if manual is None else manual
     rows_axes = row_axes(reps)
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
     sizes = dict(mesh.shape)
