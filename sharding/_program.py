@@ -38,6 +38,7 @@ class TrainProgram:
     _grad_fn: Callable = field(repr=False)
     _eval_fn: Callable = field(repr=False)
     _compiled: Any = field(default=None, repr=False)
+    _partitioned: str | None = field(default=None, repr=False)
     compile_time_s: float | None = None
     schedule: Any = None  # the pipeline's `Schedule`, None without a pipeline
     pipeline: PipelineSpec | None = None  # how it was asked for (stage_layers included)
@@ -63,8 +64,12 @@ class TrainProgram:
     @property
     def compiled(self) -> Any:
         if self._compiled is None:
+            from sharding.inspection import compile_partitioned
+
             start = time.perf_counter()
-            self._compiled = self.lowered().compile()
+            # The module as partitioned is kept for the collectives' true dtypes (XLA:CPU
+            # widens bfloat16 ones to float32 after partitioning; `compile_partitioned`).
+            self._compiled, self._partitioned = compile_partitioned(self.lowered())
             self.compile_time_s = time.perf_counter() - start
         return self._compiled
 
@@ -110,7 +115,8 @@ class TrainProgram:
         from sharding.inspection import inspect_compiled
 
         compiled = self.compiled
-        report = inspect_compiled(compiled, mesh=self.mesh, compile_time_s=self.compile_time_s)
+        report = inspect_compiled(compiled, mesh=self.mesh, compile_time_s=self.compile_time_s,
+                                  partitioned=self._partitioned)  # fmt: skip
         if self.schedule is not None:
             s = self.schedule
             report.extra["pipeline"] = f"{s.name} stages={s.stages} microbatches={s.microbatches}"

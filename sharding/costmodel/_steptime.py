@@ -26,6 +26,7 @@ from typing import Any
 from sharding._mesh import AXES, mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._predict import CostModelError
+from sharding.inspection import overlap_options
 from sharding.targets import Target, target
 
 # Share of the compute window that hides overlappable collectives: the first layer's gather and
@@ -275,7 +276,11 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"all-gathers are prefetched behind what the reductions leave of {overlap:.0%} of the "
         f"matmul time; tensor-parallel collectives (inside each layer) and pipeline permutes are "
         f"exposed" + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
-                      "exposed." if work.schedule else "."),
+                      "exposed." if work.schedule else ".")
+        + " On a GPU this overlap needs XLA's latency-hiding scheduler and pipelined "
+          "collectives: spmdkit gives every GPU compile "
+          f"{', '.join(f'{k}=true' for k in overlap_options('gpu', ''))} "
+          "(sharding.inspection.GPU_OVERLAP_OPTIONS; an option set in XLA_FLAGS keeps its value).",
         f"Fits if the per-device memory is at most {memory_fraction:.0%} of HBM "
         f"({fmt_bytes(budget)}); the rest is the runtime, workspaces and fragmentation.",
     ]  # fmt: skip

@@ -139,8 +139,14 @@ def traffic(s: Any) -> list[Traffic]:
     # gpipe/circular with the head on 1/p of the rows per stage: its gradients add over stage too
     head_extra = ("stage",) if rows_over_stages(s) else ()
 
+    # Every gradient is summed in the compute dtype, before the cast of the float32 weights is
+    # transposed (as partitioned: XLA:CPU widens bfloat16 sums to float32 after partitioning,
+    # and the pipelines' float32 psums of bfloat16 values are narrowed before it).
+    grad_width = s.act_bytes / 4
+
     def grad_bytes(q: Param, full_rows: bool = False) -> float:
         g = q.nbytes / math.prod(sz[a] for a in q.axes if a in ("tensor", "stage", "expert"))
+        g *= grad_width
         if q.role == "positions" and not full_rows:  # only the first `seq` rows are used
             g *= s.seq / q.shape[0]
         return g

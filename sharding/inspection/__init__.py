@@ -14,6 +14,7 @@ from sharding.inspection._hlo import (
     parse_collectives,
     summarize,
 )
+from sharding.inspection._overlap import GPU_OVERLAP_OPTIONS, overlap_options, overlap_text
 from sharding.inspection._report import (
     MemoryStats,
     ProgramReport,
@@ -29,10 +30,11 @@ from sharding.inspection._roofline import (
     measure_matmul_peak,
     mfu,
 )
-from sharding.inspection._widened import widened_bytes
+from sharding.inspection._widened import compile_partitioned, partitioned_widths, widened_bytes
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "GPU_OVERLAP_OPTIONS",
     "MATMUL_KINDS",
     "PEAK_FLOPS",
     "CollectiveOp",
@@ -45,13 +47,17 @@ __all__ = [
     "ProgramReport",
     "UnknownDeviceKindError",
     "compile_and_inspect",
+    "compile_partitioned",
     "count_flops",
     "device_peak",
     "host_peak",
     "inspect_compiled",
     "measure_matmul_peak",
     "mfu",
+    "overlap_options",
+    "overlap_text",
     "parse_collectives",
+    "partitioned_widths",
     "summarize",
     "widened_bytes",
 ]

@@ -23,6 +23,7 @@ import copy
 import math
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ _CALLEE = re.compile(
 )
 # A GPU gemm custom-call keeps its dot dimensions in backend_config, as JSON lists of strings.
 _CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)|"lhs_contracting_dimensions":\[([^]]*)')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
@@ -316,7 +318,9 @@ class _Module:
         return self._memo[c]
 
 
-def parse_collectives(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
+def parse_collectives(
+    hlo_text: str, mesh: Any = None, *, narrow: Mapping[int, str] | None = None
+) -> list[CollectiveOp]:
     """Every collective of a compiled (post-SPMD-partitioning) HLO module, with loop counts.
 
     Async pairs count at their ``-start``; a while body counts ``known_trip_count`` times per
@@ -326,6 +330,9 @@ def parse_collectives(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
         hlo_text: ``compiled.as_text()``.
         mesh: a `jax.sharding.Mesh` (or resolved MeshSpec); partition id p is position p of
             ``mesh.devices.flat``. Needed to name the ``axes`` of each collective.
+        narrow: ``{channel_id: dtype}`` of the collectives SPMD partitioning made narrower than
+            float32 (`partitioned_widths`): a float32 one of those channels is counted in that
+            dtype (XLA:CPU's float normalisation widened it after partitioning).
 
     Example:
         >>> ops = parse_collectives(compiled.as_text(), mesh)  # doctest: +SKIP
@@ -342,6 +349,8 @@ def parse_collectives(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
             continue
         types = [module.operand_type(o) for o in operands]
         outputs = _split_top(type_text[1:-1]) if type_text.startswith("(") else [type_text]
+        if narrow and (ch := _CHANNEL.search(attrs)) and (to := narrow.get(int(ch.group(1)))):
+            types, outputs = ([t.replace("f32[", f"{to}[") for t in ts] for ts in (types, outputs))
         if opcode.endswith("-start"):
             outputs = _start_results(outputs, len(operands))
         shape = ", ".join(re.sub(r"\{[^}]*\}", "", t) for t in outputs)

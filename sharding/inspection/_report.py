@@ -27,7 +27,7 @@ from sharding.inspection._hlo import (
     parse_collectives,
     summarize,
 )
-from sharding.inspection._widened import widened_bytes
+from sharding.inspection._widened import compile_partitioned, partitioned_widths, widened_bytes
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -194,7 +194,11 @@ def _analysis(compiled: Any, name: str) -> Any:
 
 
 def inspect_compiled(
-    compiled: Any, *, mesh: Any = None, compile_time_s: float | None = None
+    compiled: Any,
+    *,
+    mesh: Any = None,
+    compile_time_s: float | None = None,
+    partitioned: str | None = None,
 ) -> ProgramReport:
     """The `ProgramReport` of a ``jax.stages.Compiled``.
 
@@ -203,6 +207,9 @@ def inspect_compiled(
         mesh: names the axes of each collective. Default: the mesh of the program's first
             NamedSharding input or output; without one, ``axes`` stay None.
         compile_time_s: recorded as given.
+        partitioned: the module's text right after SPMD partitioning (`compile_partitioned`):
+            collectives XLA:CPU widened from bfloat16 to float32 after it are counted in
+            bfloat16, as the partitioner placed them and as a GPU or TPU runs them.
 
     Example:
         >>> report = inspect_compiled(jax.jit(f).lower(x).compile())  # doctest: +SKIP
@@ -225,7 +232,7 @@ def inspect_compiled(
         )
     flops, accessed = cost.get("flops"), cost.get("bytes accessed")
     return ProgramReport(
-        collectives=parse_collectives(hlo_text, mesh),
+        collectives=parse_collectives(hlo_text, mesh, narrow=partitioned_widths(partitioned)),
         memory=memory,
         flops=None if flops is None else float(flops),
         matmul_flops=float(count_flops(hlo_text).total),
@@ -251,6 +258,7 @@ def compile_and_inspect(
         4194304
     """
     start = time.perf_counter()
-    compiled = jitted_fn.lower(*args, **kwargs).compile()
+    compiled, partitioned = compile_partitioned(jitted_fn.lower(*args, **kwargs))
     elapsed = time.perf_counter() - start
-    return compiled, inspect_compiled(compiled, mesh=mesh, compile_time_s=elapsed)
+    return compiled, inspect_compiled(compiled, mesh=mesh, compile_time_s=elapsed,
+                                      partitioned=partitioned)  # fmt: skip

@@ -13,12 +13,31 @@ keeps those arrays in bfloat16.
 is only a convert) from bfloat16 to float32 of the same dims whose result enters a tuple (the
 operands of a while loop), and returns what they add over their bfloat16 originals: half of each
 float32 copy. Zero for a program without such copies (float32 programs, other backends).
+
+The same pass widens the collectives: a bfloat16 all-reduce or all-gather that the partitioner
+placed runs in float32 between converts, so the final module doubles its bytes. The module as
+partitioned has the true dtypes: `compile_partitioned` compiles a program keeping that module's
+text (XLA's dump of the ``spmd-partitioning`` pass, in a temporary folder, on XLA:CPU only) and
+`partitioned_widths` reads from it the channels the partitioner made narrower than float32, which
+`parse_collectives` then counts in their own dtype. Channel ids survive the backend's passes.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from sharding.inspection._hlo import _ARRAY, COLLECTIVE_KINDS, _Module
+from sharding.inspection._overlap import overlap_options
+
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_NARROW_FLOATS = ("bf16", "f16")
 
 # A computation that only converts its one bfloat16 parameter to float32 of the same dims.
 _CONVERT_ONLY = re.compile(
@@ -52,4 +71,54 @@ def widened_bytes(hlo_text: str) -> int:
                for name, dims in copies.items() if name in carried)  # fmt: skip
 
 
-__all__ = ["widened_bytes"]
+def compile_partitioned(lowered: Any) -> tuple[Any, str | None]:
+    """``(lowered.compile(), the module's HLO text right after SPMD partitioning)``, compiled
+    with XLA's overlap options on a GPU (`overlap_options`); the text is
+    None where no float narrower than float32 is in the program or the backend is not XLA:CPU
+    (whose final module keeps the partitioner's dtypes), or where this XLA names the dump
+    otherwise."""
+    text, platform = lowered.as_text(), jax.default_backend()
+    options = overlap_options(platform)  # XLA's GPU overlap options; none elsewhere
+    if platform != "cpu" or not any(f"{t}>" in text or f"x{t}" in text for t in _NARROW_FLOATS):
+        return _compile_dropping_unknown(lowered, options), None
+    with tempfile.TemporaryDirectory(prefix="spmdkit-partitioned-") as folder:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"})  # fmt: skip
+        found = sorted(glob.glob(f"{folder}/*after_spmd-partitioning*.txt"))
+        partitioned = Path(found[-1]).read_text() if found else None
+    return compiled, partitioned
+
+
+def _compile_dropping_unknown(lowered: Any, options: dict[str, Any]) -> Any:
+    """``lowered.compile`` with ``options``, leaving out any this XLA does not know (an option
+    another jaxlib renamed or made the default), which it refuses by name."""
+    while True:
+        try:
+            return lowered.compile(compiler_options=options or None)
+        except Exception as e:  # jax.errors.JaxRuntimeError: INVALID_ARGUMENT
+            unknown = re.search(r"No such compile option: '(\w+)'", str(e))
+            if not unknown or unknown.group(1) not in options:
+                raise
+            options = {k: v for k, v in options.items() if k != unknown.group(1)}
+
+
+def partitioned_widths(partitioned: str | None) -> dict[int, str]:
+    """``{channel_id: dtype}`` of the collectives in the module as partitioned whose arrays are
+    all of one float type narrower than float32 (``bf16``, ``f16``); empty for None.
+
+    Example:
+        >>> partitioned_widths(text)  # doctest: +SKIP
+        {1: 'bf16', 2: 'bf16'}
+    """
+    out: dict[int, str] = {}
+    for _, _, type_text, opcode, _, attrs in _Module(partitioned or "").instructions:
+        if opcode.removesuffix("-start") not in COLLECTIVE_KINDS:
+            continue
+        dtypes = {d for d, _ in _ARRAY.findall(type_text)}
+        ch = _CHANNEL.search(attrs)
+        if ch and len(dtypes) == 1 and (d := dtypes.pop()) in _NARROW_FLOATS:
+            out[int(ch.group(1))] = d
+    return out
+
+
+__all__ = ["compile_partitioned", "partitioned_widths", "widened_bytes"]

@@ -15,6 +15,7 @@ from rich.table import Table
 from partition_rules import composition
 from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
+from sharding.inspection import overlap_text
 from sharding.training._errors import TrainingError
 
 
@@ -163,6 +164,7 @@ class TrainResult:
             )
         if report is not None and report.compile_time_s is not None:
             grid.add_row("compile", f"{report.compile_time_s:.2f} s")
+        grid.add_row("XLA", overlap_text(self.platform).removeprefix("XLA "))
         if self.resumed_from is not None:
             grid.add_row("resumed", f"from step {self.resumed_from}")
         if self.history:
