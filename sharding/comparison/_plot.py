@@ -41,7 +41,8 @@ def plot(
     ax_t.set_xlim(0, max(left, default=0) * 1.15 or 1)  # room for the labels
     ax_t.set_title(f"step time on {target.name} (ms, {'measured |' if measured else 'predicted'})",
                    fontsize=10)  # fmt: skip
-    ax_t.legend(fontsize=7, loc="lower right")
+    # Rows run fastest first, so the top right is where the bars leave room.
+    ax_t.legend(fontsize=7, loc="upper right")
     # Memory on a log axis, each bar labelled: a tiny model's MiB and an 80 GiB budget, or
     # candidates a hundred times apart, stay readable side by side.
     mem = [max(c.memory_bytes, 1) / 2**20 for c in cands]
