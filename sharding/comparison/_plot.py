@@ -26,8 +26,9 @@ def plot(
     labels = [f"{c.label}\n{c.mesh}" for c in cands]
     rows = range(len(cands))
     # Constrained layout keeps the 2-line title clear of the panels at any height.
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 0.42 * len(cands) + 2.4), sharey=True,
-                                     layout="constrained")
+    fig, (ax_t, ax_m) = plt.subplots(
+        1, 2, figsize=(14, 0.42 * len(cands) + 2.4), sharey=True, layout="constrained"
+    )
     left = [0.0] * len(cands)
     for name, color, part in (("compute", "tab:blue", lambda c: c.predicted.compute_s),
                               ("exposed communication", "tab:orange",
