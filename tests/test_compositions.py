@@ -99,10 +99,10 @@ def test_a_strategy_bound_to_a_mesh_answers_the_placement_questions():
     bound = BoundStrategy.of("fsdp+tp+sp+pp", make_mesh("stage=2,fsdp=2,tensor=2"))
     assert bound.pipelined and bound.stages == 2
     assert bound.batch_axes == ("fsdp",) and bound.sequence == ("tensor",)
-    # tensor splits the stages' insides, so they are manual over fsdp too (XLA's partitioner
-    # cannot take fsdp and tensor both automatic inside them) and gather their own weights.
+    # The stages are manual over fsdp and gather their own weights once per step.
     assert bound.manual == ("stage", "data", "fsdp")
-    assert BoundStrategy.of("pp_fsdp", make_mesh("stage=2,fsdp=4")).manual == ("stage", "data")
+    assert BoundStrategy.of("pp_fsdp", make_mesh("stage=2,fsdp=4")).manual == (
+        "stage", "data", "fsdp")  # fmt: skip
     assert BoundStrategy.of("cp+pp", make_mesh("stage=2,context=4")).manual == (
         "stage", "data", "context")  # fmt: skip
     assert bound.axis_map({"embed": "hidden"})["hidden"] == "fsdp"

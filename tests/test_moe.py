@@ -317,10 +317,11 @@ def test_pipelines_carry_the_load_balancing_loss(strategy, mesh, schedule, capac
                          schedule=schedule, microbatches=MICRO)  # fmt: skip
     params = jax.device_put(seed0_params(), prog.param_shardings)
     loss, grads = prog.loss_and_grads(params, batch())
-    # The batch shards the stages are manual over: data and expert (fsdp stays automatic).
+    # The batch shards the stages are manual over: data, fsdp and expert.
     sizes = dict(make_mesh(mesh).shape)
     got = (float(loss), jax.tree.map(np.asarray, grads))
-    assert_same(got, grouped_reference(params, sizes["data"] * sizes["expert"], capacity_factor))
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    assert_same(got, grouped_reference(params, shards, capacity_factor))
 
 
 def test_expert_parallel_stages_send_tokens_to_their_experts():

@@ -162,10 +162,10 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
 
 def lockstep(s: Any) -> bool:
     """Whether setup ``s``'s explicit schedule runs its lanes in lock-step: a stage body
-    partitioned over an automatic axis (tensor, fsdp) or holding ring attention's ppermute
-    (`sharding.pipeline._explicit`)."""
+    partitioned over an automatic axis (tensor; fsdp is manual inside a pipeline) or holding ring
+    attention's ppermute (`sharding.pipeline._explicit`)."""
     sz = s.sizes
-    return sz["tensor"] > 1 or sz["fsdp"] > 1 or (sz["context"] > 1 and s.context_method == "ring")
+    return sz["tensor"] > 1 or (sz["context"] > 1 and s.context_method == "ring")
 
 
 __all__ = ["Lanes", "flops", "price", "tick_costs"]

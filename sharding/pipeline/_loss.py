@@ -134,9 +134,10 @@ class Staging:
     (`sharding.compile_train_step`'s layout) and read here as it is.
 
     ``stack``: the layer stack's module path; ``manual``: the axes the stages are manual over
-    besides ``stage`` (`replicas`); ``gathered``: the parameters' shardings without ``fsdp``
-    (None when fsdp is 1): each stage's weights (and, in the explicit schedules, those the loss
-    reads per micro-batch) are gathered once per step, their gradients reduced once;
+    besides ``stage`` (`replicas`; each stage gathers its fsdp-split weights itself, once per
+    step); ``gathered``: the parameters' shardings without ``fsdp`` (None when fsdp is 1): in
+    the explicit schedules what the loss reads per micro-batch outside the stack is gathered
+    whole once per step, its gradients reduced once;
     ``stage_layers``: balanced stages (`layer_slots`); ``sequence``: how the strategy splits the
     sequence (`Whole`'s interface: over context the stages are manual over it, over tensor,
     Megatron SP, each layer's modules are pinned and the activations cross stages split);
@@ -169,13 +170,6 @@ class Staging:
         return dims if any(dims) else None
 
     @property
-    def gather_stack(self) -> bool:
-        """Whether the stack's weights are gathered whole over fsdp before the ticks (stages
-        manual over fsdp gather their own inside, `gather_fsdp`, and then only what is outside
-        the stack is gathered before)."""
-        return self.gathered is not None and "fsdp" not in self.manual
-
-    @property
     def slots(self) -> tuple[int, ...] | None:
         """``stage_layers`` where the stages are unequal, None for equal ones."""
         if self.stage_layers is None or len(set(self.stage_layers)) == 1:
@@ -202,7 +196,7 @@ def pipelined_loss(
     if where.schedule.explicit:
         return _loss_explicit(loss_fn, model, batch, where, wrap)
     stack, schedule, mesh, layout = where.stack, where.schedule, where.mesh, where.sequence
-    stage_layers, gathered, dims = where.slots, where.gathered, where.dims
+    stage_layers, dims = where.slots, where.dims
     m = schedule.microbatches
 
     def run(call: StackCall) -> Any:
@@ -213,8 +207,7 @@ def pipelined_loss(
         seq = _seq_len(h)
         h_m = to_microbatches(layout.enter(h), m, mesh, layout.axes, seq)
         extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
-        whole = split_state(gathered, stack)[0] if where.gather_stack else None
-        layers = _gather(call.state, whole)
+        layers = call.state  # each stage gathers its own over fsdp (`gather_fsdp`)
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
         # head runs over all devices), not on all of them on every stage: the last stage's
         # rows are reduce-scattered over the stages rather than all-reduced to each.
@@ -265,9 +258,10 @@ def _loss_explicit(
     call = _only_call(calls, stack)
     extras = Extras.of(call, stack)
     _, rest = split_state(state, stack)
-    whole_stack, whole_rest = (None, None) if gathered is None else split_state(gathered, stack)
-    rest = _gather(rest, whole_rest)
-    layers, valid = _gather(call.state, whole_stack if where.gather_stack else None), None
+    # What the loss reads per micro-batch outside the stack, gathered whole over fsdp once
+    # (each stage gathers its own layers, `gather_fsdp`).
+    rest = _gather(rest, None if gathered is None else split_state(gathered, stack)[1])
+    layers, valid = call.state, None
     if stage_layers is None:
         layers = stage_view(layers, p, r)
     else:  # stage s, chunk c holds layer_slots' index[s, c]; spare slots are skipped

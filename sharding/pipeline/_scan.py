@@ -1,6 +1,6 @@
 """Pipeline parallelism as one SPMD program: a `lax.scan` over ticks inside a `shard_map` that is
-manual over ``stage`` and ``data`` (plus ``expert`` and ``context`` where the mesh splits them:
-`replicas`), so fsdp and tensor stay automatic inside each stage.
+manual over ``stage``, ``data`` and ``fsdp`` (plus ``expert`` and ``context`` where the mesh
+splits them: `replicas`), so tensor stays automatic inside each stage.
 
 The stacked layers ``[L, ...]`` (sharded over ``stage`` on the leading axis by the pp presets) are
 viewed as ``[p, L/p, ...]``: stage ``s`` owns a contiguous block of layers and no weight moves.
@@ -283,8 +283,8 @@ def scan_pipeline(
         return (psum_scatter32(outs, "stage") if scatter else psum32(outs, "stage")), means
 
     spec_layers = per_leaf(lambda _, d: layer_spec(d), stage_layers, dims)
-    # Manual over stage (the schedule) and data (so the gradient psum can be placed); fsdp and
-    # tensor stay automatic inside each stage.
+    # Manual over stage (the schedule), data and fsdp (so the gradient sums can be placed);
+    # tensor stays automatic inside each stage.
     seq = h_m.shape[2] if h_m.ndim == 4 else None
     batch_spec = micro_spec(h_m, reps, seq)
     tail = seq_tail(h_m.shape[1:], tuple(a for a in reps if a not in rows_axes), seq)
