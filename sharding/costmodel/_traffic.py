@@ -118,11 +118,11 @@ def vector_like(q: Param) -> bool:
 def rows_over_stages(s: Any) -> bool:
     """Whether gpipe/circular hand the stack's output to what follows it split over ``stage``
     (each stage the head and loss on 1/p of the rows: `sharding.pipeline`), which they do where
-    a data shard's rows divide by the stages and no fsdp axis splits them further."""
+    a batch shard's rows (data x fsdp x expert) divide by the stages."""
     sched, sz = s.schedule, s.sizes
     if sched is None or sched.explicit:
         return False
-    return sz["fsdp"] == 1 and (s.batch // sz["data"]) % sz["stage"] == 0
+    return (s.batch // math.prod(sz[a] for a in BATCH_AXES)) % sz["stage"] == 0
 
 
 def traffic(s: Any) -> list[Traffic]:
@@ -318,9 +318,10 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
 
     layer_gathered = sum(gathered(q) for q in s.params if q.role == "layer")
     if layer_gathered and sz.get("fsdp", 1) > 1 and sched is not None:
-        # pp_fsdp: each stage gathers its layers' weights once per step, before the ticks.
+        # Each stage gathers its own layers' weights once per step, before the ticks (a stage
+        # holds 1/p of the stack: `gathered` divides by stage).
         arrays = sum(1 for q in s.params if q.role == "layer" and "fsdp" in q.axes)
-        out.add("all-gather", ("fsdp",), layer_gathered / p * s.act_bytes, arrays,
+        out.add("all-gather", ("fsdp",), layer_gathered * s.act_bytes, arrays,
                 "stage weights, once per step")  # fmt: skip
     elif layer_gathered and sz.get("fsdp", 1) > 1:
         # ZeRO-3: each layer's weights gathered for its forward and again for its backward.

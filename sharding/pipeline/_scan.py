@@ -152,9 +152,9 @@ def scan_pipeline(
     layer that computes micro-batch i. ``wrap``: the remat policy of each layer
     (`sharding.remat_wrapper`), None to store every layer's residuals and recompute nothing.
     Returns the last stage's outputs ``[m, b, ...]``, on every stage; with ``rows``, as the
-    ``[m * b, ...]`` rows of `from_microbatches`, split over ``data`` and ``stage`` (each stage
-    receives its share of the last stage's rows, a reduce-scatter instead of an all-reduce) where
-    they divide and no ``fsdp`` axis splits them further; else on every stage.
+    ``[m * b, ...]`` rows of `from_microbatches`, split over the manual batch axes and ``stage``
+    (each stage receives its share of the last stage's rows, a reduce-scatter instead of an
+    all-reduce) where they divide; else on every stage.
     ``slots``: balanced stages' ``(index, valid)`` from `layer_slots` (spare slots skipped).
     ``sequence``: ``("context",)`` when the sequence is split over context (`replicas`).
     ``sides``: the shapes of the side values the layers carry past the activations (a mixture
@@ -173,7 +173,7 @@ def scan_pipeline(
     p, m, r, ticks = schedule.stages, schedule.microbatches, schedule.repeats, schedule.ticks
     sizes = dict(mesh.shape)
     per_shard = h_m.shape[1] // math.prod(sizes[a] for a in rows_axes)
-    scatter = rows and sizes.get("fsdp", 1) == 1 and (per_shard * m) % p == 0
+    scatter = rows and (per_shard * m) % p == 0
     if slots is None:
         stage_layers, valid_tab = stage_view(layers, p, r), None
     else:
