@@ -260,15 +260,15 @@ def test_gpipe_recomputes_only_what_the_remat_policy_asks(remat):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved"])
 def test_pp_fsdp_gathers_each_stage_once_per_step(schedule):
-    """pp x fsdp: each stage all-gathers its own weights over fsdp once per step, before the
-    ticks (the stages are manual over fsdp: one gather of ``[1, L/p, ...]`` per stacked array),
-    not once per layer per tick; the numbers stay the one device's."""
+    """pp x fsdp: a stage's weights are all-gathered over fsdp once per step, as they enter the
+    stages (manual over fsdp for the batch: one gather per stacked array), not once per layer
+    per tick; the numbers stay the one device's."""
     prog = program("pp_fsdp", "stage=2,fsdp=4", schedule, 4, 2 if schedule == "interleaved" else 1)
     report = prog.report()
     stack_arrays = len(jax.tree.leaves(prog.abstract_state["params"]["layers"]))
     gathers = [op for op in report.collectives if op.kind == "all-gather" and op.axes == ("fsdp",)]
-    # A stage's L/p = 2 layers: [1, 2, ...] (gpipe, 1f1b, zb-h1) or [r=2, 1, ...] (interleaved)
-    whole = [op for op in gathers if op.shape.split("[")[1].startswith(("1,2,", "2,1,"))]
+    # A stage's L/p = 2 layers: [2, ...] (gpipe), [1, 1, 2, ...] (1f1b, zb-h1), [1, r=2, 1, ...]
+    whole = [op for op in gathers if op.shape.split("[")[1].startswith(("2,", "1,2,", "1,1,2,"))]
     assert sum(op.multiplicity for op in whole) == stack_arrays  # [L/p, ...] each, once
     # No weight is gathered per tick. The explicit schedules' first stage embeds each
     # micro-batch itself, and the embedding's backward gathers that micro-batch's rows (token

@@ -18,7 +18,6 @@ from jax import sharding as jshard
 from sharding._manual import manual_axes
 from sharding._mesh import BATCH_AXES, SEQUENCE_AXIS
 from sharding._stack import LayerFn
-from sharding.pipeline._errors import PipelineError
 from sharding.pipeline._split import Split
 
 
@@ -174,11 +173,12 @@ def psum32(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:
 
 def replicas(sequence: tuple[str, ...], mesh: jshard.Mesh) -> tuple[str, ...]:
     """The axes a pipeline's shard_map is manual over besides ``stage``: ``data`` (so the
-    gradients' reduction can be placed once per step); ``fsdp``, each stage gathering its
-    fsdp-split weights itself once per step and reduce-scattering their gradients once
-    (`gather_fsdp`; left automatic, XLA's partitioner reduced them over fsdp at every tick, 2.3x
-    the step's bytes for pp_fsdp on llama tiny, and aborts with fsdp and tensor both automatic
-    inside a region manual over stage, a CHECK failure in its device groups); ``expert``
+    gradients' reduction can be placed once per step); ``fsdp``, the weights entering the stages
+    gathered whole over it once per step (`Staging.gathered`, still split over tensor) and their
+    gradients summed over it once (left automatic, XLA's partitioner reduced them over fsdp at
+    every tick, 2.3x the step's bytes for pp_fsdp on llama tiny, and aborts with fsdp and tensor
+    both automatic inside a region manual over stage, a CHECK failure in its device groups; a
+    gather inside the region gathered tensor-split weights over tensor too); ``expert``
     when the mesh has one, as the batch axis it also is, so that the experts' kernel runs on each
     device's tokens and experts directly; and ``context`` when the sequence is split over it, so
     that the attention kernels run on each device's slice directly (a shard_map nested in this
@@ -194,47 +194,14 @@ def replicas(sequence: tuple[str, ...], mesh: jshard.Mesh) -> tuple[str, ...]:
 def stage_weights(layers: Any, dims: list | None, reps: tuple[str, ...]) -> Any:
     """This stage's weights ``[r, Lr, ...]`` (of ``[1, r, Lr, ...]``) as its layers use them:
     cast varying over the manual axes each is replicated on, once, outside the tick loop (the
-    transpose, the gradient's psum over them, then runs once per step), and gathered over fsdp
-    where the stages are manual over it (`gather_fsdp`)."""
-    return gather_fsdp(per_leaf(lambda a, d: varying(a[0], own_axes(d, reps)), layers, dims), dims)
+    transpose, the gradient's psum over them, then runs once per step)."""
+    return per_leaf(lambda a, d: varying(a[0], own_axes(d, reps)), layers, dims)
 
 
 def summed_grad(g: jax.Array, d: tuple | None, reps: tuple[str, ...]) -> jax.Array:
-    """A stage weight's gradient summed over the manual axes it is replicated on and
-    reduce-scattered back to its fsdp shard (the explicit schedules' transpose of
-    `stage_weights`)."""
-    return scatter_fsdp(psum32(g, own_axes(d, reps)), d)
-
-
-def gather_fsdp(w: Any, dims: list | None) -> Any:
-    """A stage's weights ``[r, Lr, ...]`` whole over ``fsdp`` where `replicas` made it manual:
-    each leaf split over fsdp on one of its own dimensions (``dims``) all-gathered there, once
-    per step (its gradient is reduce-scattered back: the transpose of the gather)."""
-    if dims is None:
-        return w
-
-    def gather(a: jax.Array, d: tuple | None) -> jax.Array:
-        for k, entry in enumerate(d or ()):
-            if entry == "fsdp":
-                a = lax.all_gather(a, "fsdp", axis=2 + k, tiled=True)
-            elif isinstance(entry, tuple) and "fsdp" in entry:
-                raise PipelineError(
-                    f"a stage weight has a dimension split over {' x '.join(entry)} together: "
-                    f"inside a pipeline whose stages gather their fsdp shards themselves, fsdp "
-                    f"must split a dimension alone; map that logical axis to fsdp only"
-                )
-        return a
-
-    return per_leaf(gather, w, dims)
-
-
-def scatter_fsdp(g: jax.Array, d: tuple | None) -> jax.Array:
-    """The gradient of a weight `gather_fsdp` gathered, reduce-scattered back to its fsdp shard:
-    the explicit schedules' own transpose of the gather."""
-    for k, entry in enumerate(d or ()):
-        if entry == "fsdp":
-            g = psum_scatter32(g, "fsdp", 2 + k)
-    return g
+    """A stage weight's gradient summed over the manual axes it is replicated on (the explicit
+    schedules' transpose of `stage_weights`)."""
+    return psum32(g, own_axes(d, reps))
 
 
 def psum_scatter32(x: jax.Array, axis: str, dimension: int = 0) -> jax.Array:

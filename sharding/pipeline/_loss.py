@@ -134,10 +134,10 @@ class Staging:
     (`sharding.compile_train_step`'s layout) and read here as it is.
 
     ``stack``: the layer stack's module path; ``manual``: the axes the stages are manual over
-    besides ``stage`` (`replicas`; each stage gathers its fsdp-split weights itself, once per
-    step); ``gathered``: the parameters' shardings without ``fsdp`` (None when fsdp is 1): in
-    the explicit schedules what the loss reads per micro-batch outside the stack is gathered
-    whole once per step, its gradients reduced once;
+    besides ``stage`` (`replicas`); ``gathered``: the parameters' shardings without ``fsdp``
+    (None when fsdp is 1): the stages' weights (and, in the explicit schedules, what the loss
+    reads per micro-batch outside the stack) are gathered whole over fsdp once per step as they
+    enter, still split over tensor, and their gradients summed once;
     ``stage_layers``: balanced stages (`layer_slots`); ``sequence``: how the strategy splits the
     sequence (`Whole`'s interface: over context the stages are manual over it, over tensor,
     Megatron SP, each layer's modules are pinned and the activations cross stages split);
@@ -158,16 +158,22 @@ class Staging:
     def dims(self) -> list | None:
         """Per stack weight (flattened), the manual axes that split its own dimensions (after
         the layer axis), None for one they do not; None when none is split so."""
-        if self.shardings is None:
+        shardings = self.gathered if self.gathered is not None else self.shardings  # as entered
+        if shardings is None:
             return None
         manual = self.manual
         kept = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in manual)  # noqa: E731
         dims = []
-        for sh in jax.tree.leaves(split_state(self.shardings, self.stack)[0]):
+        for sh in jax.tree.leaves(split_state(shardings, self.stack)[0]):
             own = tuple((k[0] if len(k) == 1 else k) if (k := kept(e)) else None
                         for e in tuple(sh.spec)[1:])  # fmt: skip
             dims.append(own if any(own) else None)
         return dims if any(dims) else None
+
+    @property
+    def whole(self) -> tuple[Any, Any]:
+        """(the stack's, the rest's) shardings whole over fsdp, (None, None) without fsdp."""
+        return (None, None) if self.gathered is None else split_state(self.gathered, self.stack)
 
     @property
     def slots(self) -> tuple[int, ...] | None:
@@ -207,7 +213,7 @@ def pipelined_loss(
         seq = _seq_len(h)
         h_m = to_microbatches(layout.enter(h), m, mesh, layout.axes, seq)
         extras_m = [to_microbatches(x, m, mesh, layout.outer, seq) for x in extras.arrays]
-        layers = call.state  # each stage gathers its own over fsdp (`gather_fsdp`)
+        layers = _gather(call.state, where.whole[0])  # once per step, whole over fsdp
         # What follows the stack runs on 1/p of each data shard's rows per stage (as MaxText's
         # head runs over all devices), not on all of them on every stage: the last stage's
         # rows are reduce-scattered over the stages rather than all-reduced to each.
@@ -236,7 +242,7 @@ def _loss_explicit(
     wrap: Callable | None,
 ) -> jax.Array:
     stack, schedule, mesh, layout = where.stack, where.schedule, where.mesh, where.sequence
-    stage_layers, gathered = where.slots, where.gathered
+    stage_layers = where.slots
     p, m, r = schedule.stages, schedule.microbatches, schedule.repeats
     graphdef, state = nnx.split(model)
 
@@ -258,10 +264,9 @@ def _loss_explicit(
     call = _only_call(calls, stack)
     extras = Extras.of(call, stack)
     _, rest = split_state(state, stack)
-    # What the loss reads per micro-batch outside the stack, gathered whole over fsdp once
-    # (each stage gathers its own layers, `gather_fsdp`).
-    rest = _gather(rest, None if gathered is None else split_state(gathered, stack)[1])
-    layers, valid = call.state, None
+    # The stages' weights and what the loss reads per micro-batch outside the stack, gathered
+    # whole over fsdp once per step.
+    rest, layers, valid = _gather(rest, where.whole[1]), _gather(call.state, where.whole[0]), None
     if stage_layers is None:
         layers = stage_view(layers, p, r)
     else:  # stage s, chunk c holds layer_slots' index[s, c]; spare slots are skipped
