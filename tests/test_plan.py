@@ -14,6 +14,7 @@ from models import gpt2, llama
 from sharding import Workload, costmodel, planning
 from sharding.cli import plan
 from sharding.costmodel import (
+    DEFAULT,
     CostModelError,
     NoFittingStrategyError,
     candidates,
@@ -190,6 +191,18 @@ def test_nvidias_llama3_8b_batch_plans_as_micro_steps(capsys):
 def test_llama3_70b_on_8_nodes_plans_at_its_published_batch():
     ranked = candidates(llama, "3-70b", "h100:8x8", 128, 8192)
     assert ranked[0].fits and ranked[0].prediction.batch == 128
+
+
+def test_llama31_405b_on_576_gpus_fits_as_fsdp_tensor_and_pipeline():
+    """Llama 3.1 405B at 252 x 8192 on 72 nodes of 8 H100 fits no named strategy (the best,
+    pp_tp, needs about 104 GiB: its optimizer state is split over stage and tensor only); the
+    composition fsdp+tp+pp, which plan searches beside them, splits it over fsdp as well."""
+    ranked = candidates(llama, "3.1-405b", "h100:72x8", 252, 8192)
+    best = ranked[0]
+    assert best.fits and best.layout.strategy == "fsdp+tp+pp"
+    assert best.prediction.batch == 252 and best.layout.sizes["tensor"] == 8
+    with pytest.raises(NoFittingStrategyError, match=r"needs is 10\d GiB \(pp_tp 1f1b"):
+        candidates(llama, "3.1-405b", "h100:72x8", 252, 8192, strategies=DEFAULT)
 
 
 def test_accumulation_and_micro_batch_can_be_pinned():

@@ -12,18 +12,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partition_rules import PIPELINE_STRATEGIES, STRATEGIES, CompositionError, composition
+from partition_rules import STRATEGIES, CompositionError, composition
 from sharding._mesh import AXES, MeshSpec, mesh_text
 from sharding._recipe import build_program, pipeline_for
 from sharding.costmodel._predict import CostModelError
 from sharding.pipeline import EXPLICIT, PipelineSpec
 
-# The order layouts are listed in: the guides' three families, then their hybrids, then the
-# sequence and expert splits (issue 16).
+# Layouts in order: the guides' three families, their hybrids, the sequence and expert splits.
 ORDER = ("dp", "fsdp", "tp", "dp_tp", "fsdp_tp", "pp", "pp_tp", "pp_fsdp", "tp_sp", "fsdp_tp_sp",
-         "cp", "fsdp_cp", "cp_tp_sp", "ep", "fsdp_ep", "ep_tp")  # fmt: skip
-# What every model is offered when no strategy is named.
-DEFAULT = ORDER[:8]
+         "cp", "fsdp_cp", "cp_tp_sp", "ep", "fsdp_ep", "ep_tp", "fsdp+tp+pp")  # fmt: skip
+DEFAULT = ORDER[:8]  # what every model is offered when no strategy is named
+# Compositions without a name that compare and plan price, plan's search beside DEFAULT: ZeRO-3 in
+# tensor-split stages, the largest dense runs' layout (torchtitan 405B: fsdp 8 x tensor 8 x pp 8).
+PRICED_COMPOSITIONS = ("fsdp+tp+pp",)
 # From this sequence length on, compare and plan also offer the sequence splits to a model whose
 # attention can run split (Megatron SP, context parallelism): below it attention's activations
 # are small beside the weights and the splits only add traffic.
@@ -155,13 +156,13 @@ def strategy_names(strategies: str | Sequence[str] | None, extra: Sequence[str] 
             f"{', '.join(STRATEGIES)}, or parts joined by '+' (a comma list, e.g. --strategies "
             f"dp,fsdp+tp)"
         )
-    named = [s if s in STRATEGIES else composition(s).alias for s in wanted]
-    unpriced = [s for s, a in zip(wanted, named, strict=True) if a is None]
+    named = [s if s in STRATEGIES else composition(s).alias or composition(s).name for s in wanted]
+    unpriced = [s for s in named if s not in STRATEGIES and s not in PRICED_COMPOSITIONS]
     if unpriced:
         raise UnknownStrategyError(
-            f"--strategies: {composition(unpriced[0]).name} is a composition "
-            f"that compare and plan do not price yet; they price {', '.join(STRATEGIES)} and "
-            f"the same parts written with '+'. spmdkit train and explain run it"
+            f"--strategies: {unpriced[0]} is a composition that compare and plan do not price "
+            f"yet; they price {', '.join(STRATEGIES)}, {', '.join(PRICED_COMPOSITIONS)} and the "
+            f"same parts written with '+'. spmdkit train and explain run it"
         )
     return [s for s in dict.fromkeys((*ORDER, *STRATEGIES)) if s in named]
 
@@ -208,7 +209,7 @@ def splits(strategy: str) -> tuple[set[str], set[str]]:
     """
     axes = {
         a
-        for name, v in STRATEGIES[strategy].items()
+        for name, v in composition(strategy).axis_map.items()
         if name != "batch"
         for a in ((v,) if isinstance(v, str) else (v or ()))
     }
@@ -247,7 +248,7 @@ def layouts(
         >>> len(layouts(8, 4, strategies="fsdp", search=True, batch=8))
         3
     """
-    names = strategy_names(strategies, extra)
+    names = strategy_names(strategies, (*extra, *PRICED_COMPOSITIONS) if search else extra)
     if search and "tp" in names and "dp_tp" in names:  # one axis map: tp with data > 1 is dp_tp
         names.remove("dp_tp")
     given = None if mesh is None else MeshSpec.of(mesh).resolve(devices).sizes
@@ -265,7 +266,7 @@ def layouts(
             strategy = name
             if search and name in ("tp", "dp_tp"):
                 strategy = "dp_tp" if sizes["data"] > 1 else "tp"
-            if strategy not in PIPELINE_STRATEGIES:
+            if not composition(strategy).pipelined:
                 out.append(Layout(strategy, mesh_text(sizes), fallback=alt > 0 and not search))
                 continue
             if search:
@@ -278,7 +279,7 @@ def layouts(
             sizes = MeshSpec.of(text).resolve(devices).sizes
             if mesh_text(sizes) in {x.mesh for x in out if x.strategy == name}:
                 continue
-            if name in PIPELINE_STRATEGIES:
+            if composition(name).pipelined:
                 pipes = _compare_pipelines(name, sizes, n_layers, devices, fixed=True, batch=batch)
                 out += [Layout(name, mesh_text(at), s, m, r) for s, m, r, at in pipes]
             else:
@@ -315,6 +316,7 @@ def _suggested(name: str, n: int) -> list[str]:
         "pp": [f"stage={stage},data={n // stage}"] if stage else [],
         "pp_tp": [f"stage=2,tensor=2,data={n // 4}"] if n >= 4 and n % 4 == 0 else [],
         "pp_fsdp": [f"stage=2,fsdp={half}"] if n >= 4 and n % 2 == 0 else [],
+        "fsdp+tp+pp": [f"stage=2,fsdp={n // 4},tensor=2"] if n >= 8 and n % 4 == 0 else [],
         # Split the sequence / the experts as far as leaves a second axis (fallbacks follow).
         "tp_sp": [f"tensor={t},data={n // t}" for t in _divisors(n) if t > 1],
         "fsdp_tp_sp": [f"fsdp={half},tensor=2"] if n >= 4 and n % 2 == 0 else [],
@@ -386,6 +388,7 @@ __all__ = [
     "EXPERT_STRATEGIES",
     "LONG_SEQUENCE",
     "ORDER",
+    "PRICED_COMPOSITIONS",
     "SEQUENCE_STRATEGIES",
     "Layout",
     "UnknownStrategyError",

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from partition_rules import STRATEGIES
+from partition_rules import composition
 
 
 def sequence_axes(s: Any) -> tuple[str, ...]:
     """The mesh axes setup ``s``'s strategy splits the sequence over (its ``"sequence"``)."""
-    entry = STRATEGIES[s.strategy]["sequence"] if s.strategy in STRATEGIES else None
+    entry = composition(s.strategy).axis_map.get("sequence")
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
@@ -59,7 +59,7 @@ def _kind(s: Any, q: Any) -> str | None:
     widest = max(len(p.shape) for p in s.params if p.path.rpartition("/")[0] == module)
     if len(q.shape) < widest:  # a bias [L, N, H] beside its kernel [L, D, N, H]
         return None
-    amap = STRATEGIES[s.strategy]
+    amap = composition(s.strategy).axis_map
     on = [e is not None and "tensor" in amap.mesh_axes(e) for e in q.logical[1:]]
     if not on[0] and any(on[1:]):
         return "column"

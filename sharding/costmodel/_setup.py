@@ -11,7 +11,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from partition_rules import PIPELINE_STRATEGIES, preset
+from partition_rules import PIPELINE_STRATEGIES, composition, preset
 from sharding._attention import BLOCK, check_kind, live_fraction
 from sharding._errors import SpmdkitError
 from sharding._init import abstract_params
@@ -152,12 +152,13 @@ def setup(
             f"needs a multiple of {2 * c if context_method != 'ulysses' else c}); use another "
             f"--seq or context size"
         )
-    pipelined = strategy in PIPELINE_STRATEGIES
+    pipelined = composition(strategy).pipelined
     args = _pipeline_args(pipeline)
     if pipelined != (args is not None) or (pipelined and p < 2) or (p > 1 and not pipelined):
         raise CostModelError(
             f"strategy {strategy!r} with stage={p} and pipeline={args}: pipeline strategies "
-            f"({', '.join(sorted(PIPELINE_STRATEGIES))}) need stage >= 2 and a pipeline "
+            f"({', '.join(sorted(PIPELINE_STRATEGIES))}, any composition with pp) need stage >= "
+            f"2 and a pipeline "
             f"(schedule, microbatches, repeats); the others need stage=1 and pipeline=None"
         )
     if batch % split:
