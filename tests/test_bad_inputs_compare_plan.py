@@ -21,6 +21,7 @@ ROWS = [
     ("compare --seq 8192", r"--seq 8192: llama tiny holds at most 4096 positions; use --seq 4096"),
     ("compare --memory 80i", r"--memory '80i': cannot read '80i' as a size.*'80GB'"),
     ("compare --memory 0", r"--memory '0': give the memory per device.*--memory 80GB"),
+    ("compare --micro-batch 2 --accum 2", r"--micro-batch 2: .*not with --accum 2"),
     (
         "compare --peak-tflops 989",
         r"--peak-tflops: renamed: use --target with a TOML device "

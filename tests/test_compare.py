@@ -270,3 +270,19 @@ def test_a_pinned_accumulation_gathers_fsdp_weights_once_per_micro_step():
     with pytest.raises(CompareArgumentError, match=r"--accum 3: give a whole number >= 1 that "
                                                    r"divides --batch 32"):  # fmt: skip
         compare(llama, size="tiny", strategies="fsdp", batch=32, accum=3, measure=False)
+
+
+def test_a_pinned_micro_batch_sets_each_candidates_accumulation():
+    """compare --micro-batch 2: every candidate runs 2 rows per device per forward pass, its
+    accumulation following from its batch shards (dp over 8: 2 micro-steps of 16 rows; pp on
+    stage=2,data=4 with 2 micro-batches of 2 rows per data shard: 2 micro-steps)."""
+    result = compare(llama, size="tiny", strategies="dp,pp", batch=32, seq=32, dtype="float32",
+                     remat="none", micro_batch=2, measure=False)  # fmt: skip
+    assert {c.micro_batch for c in result.candidates} == {2}
+    dp = next(c for c in result.candidates if c.layout.strategy == "dp")
+    assert dp.accum == 2 and dp.layout.mesh == "data=8"
+    for c in result.candidates:
+        shards = c.layout.sizes["data"] * c.layout.sizes["fsdp"]
+        assert c.micro_batch * c.accum * shards * (c.layout.microbatches or 1) == 32
+    with pytest.raises(CompareArgumentError, match=r"--micro-batch 2: .*not with --accum 2"):
+        compare(llama, size="tiny", strategies="dp", batch=32, micro_batch=2, accum=2)

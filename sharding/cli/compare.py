@@ -71,6 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "them)")  # fmt: skip
     p.add_argument("--accum", type=positive_int, help="run every candidate at this many "
                    "accumulation micro-steps (when unset: only where memory needs them)")  # fmt: skip
+    p.add_argument("--micro-batch", type=positive_int, help="rows per device per forward pass "
+                   "in every candidate; each one's --accum follows (not with --accum)")  # fmt: skip
     add_attention_arg(p, "every candidate compiles with (on this host)")
     p.add_argument("--memory", help="memory per device a step may allocate, e.g. 40GB (when "
                    "unset: 90%% of the target's HBM)")  # fmt: skip
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 timed_steps=args.timed_steps, warmup_steps=args.warmup_steps,
                 strategies=args.strategies, mesh=args.mesh, memory_budget=args.memory,
                 on_progress=_Bars(bars), attention=args.attention, accum=args.accum,
+                micro_batch=args.micro_batch,
             )  # fmt: skip
         except CompareError as e:  # show what was measured before the message
             if getattr(e, "comparison", None) is not None:

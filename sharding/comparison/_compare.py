@@ -21,7 +21,7 @@ from typing import Any
 
 from sharding._attention import check_runs_here
 from sharding._devices import cpu_only
-from sharding._mesh import MeshSpec, simulate_cpu_devices
+from sharding._mesh import BATCH_AXES, MeshSpec, simulate_cpu_devices
 from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
 from sharding._workload import Workload
 from sharding.comparison._errors import (
@@ -73,6 +73,7 @@ def compare(
     on_progress: Progress | None = None,
     attention: str | None = None,
     accum: int | None = None,
+    micro_batch: int | None = None,
 ) -> Comparison:
     """Which strategy for ``model`` on ``target``: `spmdkit compare`.
 
@@ -107,6 +108,8 @@ def compare(
             device per micro-step, across layouts, are then batch / accum / batch shards), each
             remat policy in turn until one fits; a layout the micro-steps do not split evenly is
             skipped, saying so. Default: accumulation only where memory needs it.
+        micro_batch: rows per device per forward pass in every candidate (plan's too): each
+            layout's accumulation follows; one it does not divide is skipped, saying so.
 
     Raises:
         CompareArgumentError (before anything compiles), `NothingMeasuredError` /
@@ -135,11 +138,14 @@ def compare(
                 f"traces, e.g. --profile traces/compare"
             )
         measure = True
-    if accum is not None and (isinstance(accum, bool) or not isinstance(accum, int)
-                              or accum < 1 or batch % accum):  # fmt: skip
+    whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1  # noqa: E731
+    if accum is not None and (not whole(accum) or batch % accum):
         raise CompareArgumentError(
             f"--accum {accum!r}: give a whole number >= 1 that divides --batch {batch}"
         )
+    if micro_batch is not None and (not whole(micro_batch) or accum is not None):
+        raise CompareArgumentError(f"--micro-batch {micro_batch!r}: give a whole number >= 1, and "
+                                   f"not with --accum {accum} (each fixes the other)")  # fmt: skip
     tgt = target if isinstance(target, Target) else parse_target(target)
     dtypes, remats = _choices("--dtype", dtype, DTYPES), _choices("--remat", remat, REMATS)
     budget = (int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_budget is None
@@ -153,8 +159,8 @@ def compare(
     if not todo:
         raise CompareArgumentError(
             f"--strategies {','.join(strategy_names(strategies, extra))}: none of them has a "
-            f"layout on "
-            f"{tgt.devices} devices for {depth} layers{f' on --mesh {mesh}' if mesh else ''} "
+            f"layout on {tgt.devices} devices for {depth} layers"
+            f"{f' on --mesh {mesh}' if mesh else ''} "
             f"({'; '.join(s.reason for s in skipped)}); use another --target, --mesh or "
             f"--strategies"
         )
@@ -175,8 +181,9 @@ def compare(
             task = f"{layout.label}{' bf16' if dt == 'bfloat16' else ''} on {layout.mesh}"
             progress(task, 0, 1, None)
             try:
+                pinned = accum if micro_batch is None else _accum_for(layout, batch, micro_batch)
                 got = _variants(layout, work, settings, tgt, dt, remats, useful, budget, notes,
-                                accum)  # fmt: skip
+                                pinned)  # fmt: skip
             except ValueError as e:  # a layout the model or mesh cannot take: say why
                 skipped.append(Skipped(layout.label, layout.mesh, f"{type(e).__name__}: {e}"))
                 progress(task, 0, 1, "skipped")
@@ -247,6 +254,18 @@ def _variants(layout: Layout, work: Workload, settings: Settings, tgt: Target, d
         if cand.state_bytes > budget:  # the train state alone: remat cannot help
             break
     return [got]
+
+
+def _accum_for(layout: Layout, batch: int, micro_batch: int) -> int:
+    """The micro-steps that give ``layout`` ``micro_batch`` rows per device per forward pass."""
+    per_step = micro_batch * (layout.microbatches or 1)
+    per_step *= math.prod(layout.sizes[a] for a in BATCH_AXES)
+    if batch % per_step:
+        raise CompareArgumentError(
+            f"--micro-batch {micro_batch}: batch {batch} is not a whole number of micro-steps of "
+            f"{per_step} rows ({micro_batch} per device, micro-batch and shard) on {layout.mesh}"
+        )
+    return batch // per_step
 
 
 def _splits(layout: Layout, settings: Settings, accum: int) -> bool:
