@@ -274,13 +274,13 @@ def test_a_pinned_accumulation_gathers_fsdp_weights_once_per_micro_step():
 
 def test_a_pinned_micro_batch_sets_each_candidates_accumulation():
     """compare --micro-batch 2: every candidate runs 2 rows per device per forward pass, its
-    accumulation following from its batch shards (dp over 8: 2 micro-steps of 16 rows; pp on
-    stage=2,data=4 with 2 micro-batches of 2 rows per data shard: 2 micro-steps)."""
-    result = compare(llama, size="tiny", strategies="dp,pp", batch=32, seq=32, dtype="float32",
-                     remat="none", micro_batch=2, measure=False)  # fmt: skip
+    accumulation following from its batch shards (dp over 8: 2 micro-steps of 16 rows;
+    pp_fsdp on stage=2,fsdp=4 with 4 micro-batches of 2 rows per shard: 1 micro-step)."""
+    result = compare(llama, size="tiny", strategies="dp,pp_fsdp", batch=32, seq=32,
+                     dtype="float32", remat="none", micro_batch=2, measure=False)  # fmt: skip
     assert {c.micro_batch for c in result.candidates} == {2}
-    dp = next(c for c in result.candidates if c.layout.strategy == "dp")
-    assert dp.accum == 2 and dp.layout.mesh == "data=8"
+    accum = {c.layout.strategy: (c.accum, c.layout.mesh) for c in result.candidates}
+    assert accum == {"dp": (2, "data=8"), "pp_fsdp": (1, "stage=2,fsdp=4")}
     for c in result.candidates:
         shards = c.layout.sizes["data"] * c.layout.sizes["fsdp"]
         assert c.micro_batch * c.accum * shards * (c.layout.microbatches or 1) == 32
