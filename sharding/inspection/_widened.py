@@ -33,10 +33,9 @@ from typing import Any
 
 import jax
 
-from sharding.inspection._hlo import _ARRAY, COLLECTIVE_KINDS, _Module
+from sharding.inspection._hlo import _ARRAY, _CHANNEL, COLLECTIVE_KINDS, _Module
 from sharding.inspection._overlap import overlap_options
 
-_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _NARROW_FLOATS = ("bf16", "f16")
 
 # A computation that only converts its one bfloat16 parameter to float32 of the same dims.
