@@ -156,7 +156,7 @@ def strategy_names(strategies: str | Sequence[str] | None, extra: Sequence[str] 
             f"{', '.join(STRATEGIES)}, or parts joined by '+' (a comma list, e.g. --strategies "
             f"dp,fsdp+tp)"
         )
-    named = [s if s in STRATEGIES else composition(s).alias or composition(s).name for s in wanted]
+    named = [s if s in STRATEGIES else (c := composition(s)).alias or c.name for s in wanted]
     unpriced = [s for s in named if s not in STRATEGIES and s not in PRICED_COMPOSITIONS]
     if unpriced:
         raise UnknownStrategyError(
