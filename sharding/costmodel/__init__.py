@@ -18,6 +18,7 @@ from sharding.costmodel._batching import (
     pipeline_microbatches,
     rows_per_pass,
 )
+from sharding.costmodel._lanes import lane_runs
 from sharding.costmodel._layouts import (
     DEFAULT,
     EXPERT_STRATEGIES,
@@ -93,6 +94,7 @@ __all__ = [
     "called_for",
     "candidates",
     "few_layouts",
+    "lane_runs",
     "layouts",
     "live_fraction",
     "memory_budget",

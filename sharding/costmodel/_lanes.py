@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sharding.costmodel._traffic import rows_over_stages, tied
-from sharding.pipeline import Schedule, TickCosts
+from sharding.pipeline import Kind, Schedule, TickCosts
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,17 @@ def flops(s: Any, rows: int) -> tuple[float, float, Lanes | None]:
     # zb-h1 leaves the head's weight gradient (a third of its work) to the last stage's W.
     head_w = head / 3 if sched.splits_backward else 0.0
     lanes = Lanes(stage, backward, weight, (head - head_w) / m, head_w / m)
-    critical, busiest = price(sched, lanes, lockstep=lockstep(s))
+    critical, busiest = price(sched, lanes, s.stage_layers, lockstep=lockstep(s))
     return busiest, critical, lanes
+
+
+def lane_runs(schedule: Schedule, kind: Kind, lockstep: bool) -> int:
+    """How often one device runs a lane of kind ``kind`` per step, the collectives inside it with
+    it: once per micro-batch and chunk (m x repeats), or in lock-step on every tick in which any
+    stage runs that kind (every stage executes the branch then; `sharding.pipeline._lockstep`)."""
+    if not lockstep:
+        return schedule.microbatches * schedule.repeats
+    return sum(any(a.kind == kind for cell in row for a in cell) for row in schedule.table)
 
 
 def lockstep(s: Any) -> bool:
@@ -168,4 +177,4 @@ def lockstep(s: Any) -> bool:
     return sz["tensor"] > 1 or (sz["context"] > 1 and s.context_method == "ring")
 
 
-__all__ = ["Lanes", "flops", "price", "tick_costs"]
+__all__ = ["Lanes", "flops", "lane_runs", "lockstep", "price", "tick_costs"]

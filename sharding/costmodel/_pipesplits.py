@@ -1,15 +1,22 @@
-"""Collective bytes of a pipelined step that also splits the sequence or the experts, in closed form.
+"""Collective bytes of a pipelined step whose stages split more than the batch, in closed form.
 
-The strategies pp_cp, pp_tp_sp and pp_ep (and llama-moe under any pipeline) run the attention
-and expert kernels per device inside each stage (`sharding.pipeline` is manual over stage and
-the split's axes), so their collectives follow the pipeline's ticks, not the layer count:
+The explicit schedules (1f1b, zb-h1, interleaved: lanes per tick, the embedding and the head
+inside the scan), and gpipe and circular under pp_cp, pp_tp_sp and pp_ep (and llama-moe under
+any pipeline), run the attention and expert kernels per device inside each stage
+(`sharding.pipeline` is manual over stage and the split's axes), so their collectives follow the
+pipeline's ticks or lanes, not the layer count:
 
-- every tick runs one chunk of the stage's layers (L / (p x repeats)) on one micro-batch, bubble
-  ticks included (they compute on zeros), so a kernel's collectives are ``ticks`` times those of
-  one micro-batch through one chunk (`sharding.context.context_traffic`, the experts'
-  all-to-alls, Megatron SP's gathers);
+- under gpipe and circular every tick runs one chunk of the stage's layers (L / (p x repeats))
+  on one micro-batch, bubble ticks included (they compute on zeros), so a kernel's collectives
+  are ``ticks`` times those of one micro-batch through one chunk
+  (`sharding.context.context_traffic`, the experts' all-to-alls, Megatron SP's gathers);
+- under the explicit schedules a collective inside a lane runs as often as the lane does
+  (`lane_runs`: m x repeats, or in lock-step every tick some stage runs that kind), forward
+  terms with the F lanes and backward ones with the B lanes; the head's once per micro-batch;
 - the stage weights' gradients are summed over the batch axes and ``context`` in one all-reduce
   (the shard_map's psum over both), an expert's own over the batch axes it is not split on;
+  with fsdp the stage weights (and, under the explicit schedules, the head-side weights) are
+  gathered whole over fsdp once per step and their gradients summed whole;
 - the weights outside the stack (table, final norm, head) are reduced as in a plain pipeline and
   then again over ``context`` (each sequence shard's partial gradient);
 - under SP the activations cross stages split over the sequence on ``tensor`` (1/t of a
@@ -23,11 +30,9 @@ data axis, which XLA keeps (pp_ep, pp_tp_sp with data = 1): the inspector lists 
 all-reduce over no mesh axis; it moves nothing between devices.
 
 Terms are what jax 0.10's partitioner emits for spmdkit's step on XLA:CPU, measured on the
-programs tests/test_pipeline_split_costs.py compiles; byte conventions are `_traffic`'s. The
-explicit schedules (1f1b, zb-h1, interleaved) run a forward and a backward lane per tick, the
-lookup on the first stage and the head on the last inside the scan, and sum every gradient once
-(over stage too outside the stack); with the expert split, fsdp or remat they are not modelled
-and raise `CostModelError` before anything is computed.
+programs tests/test_pipeline_split_costs.py compiles; byte conventions are `_traffic`'s. An
+explicit schedule with the expert split is not modelled and raises `CostModelError` before
+anything is computed.
 """
 
 from __future__ import annotations
@@ -38,10 +43,10 @@ from typing import Any
 
 from sharding._mesh import BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
+from sharding.costmodel._lanes import lane_runs, lockstep
 from sharding.costmodel._sequence import (
     gathered_inputs,
     norm_vector_bytes,
-    sequence_axes,
     splits_sequence_over_tensor,
 )
 from sharding.costmodel._setup import CostModelError
@@ -57,20 +62,23 @@ from sharding.costmodel._traffic import (
     head_side_gathers,
     matmul_kinds,
     rows_over_stages,
+    stage_gather,
     tied,
 )
 from sharding.experts import ALL_TO_ALLS_PER_LAYER, expert_slots
+from sharding.pipeline import Kind
 
 
 def splits_inside_stages(s: Any) -> bool:
-    """Whether setup ``s`` pipelines a step whose stages split the sequence (context, or SP on
-    tensor) or route tokens to experts (an expert axis, or a MoE config): the setups
-    `split_pipeline_traffic` prices."""
+    """Whether setup ``s`` pipelines a step under an explicit schedule, or one whose stages split
+    the sequence (context, or SP on tensor) or route tokens to experts (an expert axis, or a MoE
+    config): the setups `split_pipeline_traffic` prices."""
     if s.schedule is None:
         return False
     sz = s.sizes
     return (
-        sz.get("context", 1) > 1
+        s.schedule.explicit
+        or sz.get("context", 1) > 1
         or splits_sequence_over_tensor(s)
         or sz.get("expert", 1) > 1
         or bool(getattr(s.cfg, "n_experts", None))
@@ -94,11 +102,11 @@ def split_pipeline_traffic(s: Any) -> list[Traffic]:
         )
     sched, sz = s.schedule, s.sizes
     moe = sz.get("expert", 1) > 1 or bool(getattr(s.cfg, "n_experts", None))
-    if sched.explicit and (moe or sz.get("fsdp", 1) > 1 or s.remat != "none"):
+    if sched.explicit and moe:
         raise CostModelError(
             f"schedule {sched.name!r} with strategy {s.strategy!r} on mesh "
-            f"{_mesh_text(sz)} (remat {s.remat!r}): an explicit schedule with the expert split, "
-            f"fsdp or remat inside its stages is not modelled in closed form; use schedule "
+            f"{_mesh_text(sz)}: an explicit schedule with the expert split "
+            f"inside its stages is not modelled in closed form; use schedule "
             f"'gpipe' or 'circular', or price it from the compiled program with `spmdkit "
             f"compare --strategies {s.strategy} --schedule {sched.name}`"
         )
@@ -116,6 +124,7 @@ def split_pipeline_traffic(s: Any) -> list[Traffic]:
     _gradients(out, s, act)
     if sched.explicit:
         _explicit_tensor(out, s, act)
+        stage_gather(out, s)
     else:
         # Tensor-parallel reductions per tick, pp_fsdp's gathers, of the dense kernels (the
         # experts': `_kernels`). Under SP a remat backward recomputes all but the layer's last
@@ -171,6 +180,10 @@ def _gradients(out: _Sink, s: Any, act: float) -> None:
             over = (*(() if q.role == "layer" else ("stage",)), *batch_axes)
             out.add("all-reduce", (*over, *(("context",) if c > 1 else ())), g, 1,
                     f"gradient reduction ({q.role}), in one")  # fmt: skip
+            if q.role != "layer" and "fsdp" in q.axes and f > 1:  # gathered whole, once
+                whole = q.size / math.prod(sz[a] for a in q.axes if a != "fsdp")
+                out.add("all-gather", ("fsdp",), whole * s.act_bytes, 1,
+                        f"{q.role} weights, whole for the lanes")  # fmt: skip
         return
     for q in s.params:
         if q.role == "table":
@@ -197,34 +210,53 @@ def _stage_lookup(out: _Sink, s: Any, q: Param, act: float, batch_axes, grad: fl
     up there, and sums the partial lookups over stage; the gradient's shard moves back. With
     data = 1 it keeps tensor parallelism's lookup (`_table`: partial sums over tensor)."""
     shard = q.nbytes / s.sizes["tensor"]
-    out.add("collective-permute", ("stage", "data", "tensor"), 2 * shard, 2,
+    over = ("stage", "data", *(("context",) if s.sizes.get("context", 1) > 1 else ()), "tensor")
+    out.add("collective-permute", over, 2 * shard, 2,
             "token table to a stage split and its gradient back")  # fmt: skip
     out.add("all-reduce", ("stage",), act, 1, "lookup partial sums (vocab split over stage)")
     out.add("all-reduce", batch_axes, grad, 1, "gradient of the token table")
 
 
 def _explicit_tensor(out: _Sink, s: Any, act: float) -> None:
-    """Megatron SP under an explicit schedule (pp_tp_sp): every tick runs a chunk's forward and
-    backward lanes (bubble lanes included), the lookup on the first stage and the head on the
-    last, each on one micro-batch (measured, 1f1b, zb-h1, interleaved)."""
+    """Tensor parallelism (with or without Megatron SP) under an explicit schedule: every tick
+    runs a chunk's forward and backward lanes (bubble lanes included), the lookup on the first
+    stage and the head on the last, each on one micro-batch (measured, 1f1b, zb-h1,
+    interleaved)."""
     sz, sched = s.sizes, s.schedule
     if sz.get("tensor", 1) == 1:
         return
-    ticks, runs = sched.ticks, sched.ticks * s.cfg.n_layers // (sz["stage"] * sched.repeats)
-    mb = act / sched.microbatches  # whole sequences: gathered before the matmuls
+    sp = splits_sequence_over_tensor(s)
+    fwd, bwd = _runs(s, Kind.FORWARD), _runs(s, Kind.BACKWARD)
+    chunk = s.cfg.n_layers // (sz["stage"] * sched.repeats)
+    mb = act / sched.microbatches  # whole sequences (under SP: gathered before the matmuls)
     col, row = matmul_kinds(s.params, sz)  # SP's gathers and norm sums: `_kernels`
-    out.add("all-reduce", ("tensor",), runs * (row + col) * mb, runs * (row + col),
-            "row-parallel outputs and column-parallel input gradients, per tick")  # fmt: skip
-    out.add("all-gather", ("tensor",), 2 * ticks * mb, 2 * ticks,
-            "stack output to whole sequences, input cotangent, per tick")  # fmt: skip
+    out.add("all-reduce", ("tensor",), chunk * (fwd * row + bwd * col) * mb,
+            chunk * (fwd * row + bwd * col),
+            "row-parallel outputs (F lanes), column-parallel input gradients (B lanes)")  # fmt: skip
+    if s.remat == "full" and not sp:  # SP's recomputed reductions: `_kernels`
+        # All but the layer's last: its output is the carry the next layer's recompute reads.
+        out.add("all-reduce", ("tensor",), chunk * bwd * (row - 1) * mb, chunk * bwd * (row - 1),
+                "row-parallel outputs recomputed in the B lanes")  # fmt: skip
+    if sp:
+        out.add("all-gather", ("tensor",), (fwd + bwd) * mb, fwd + bwd,
+                "stack output to whole sequences (F lanes), input cotangent (B lanes)")  # fmt: skip
     if any(q.role == "table" and "tensor" in q.axes for q in s.params):
-        out.add("all-reduce", ("tensor",), ticks * mb, ticks, "lookup partial sums, per tick")
+        out.add("all-reduce", ("tensor",), fwd * mb, fwd, "lookup partial sums, F lanes")
     heads = [q for q in s.params if q.role == "head" or (q.role == "table" and tied(s.params))]
     if any("tensor" in q.axes for q in heads):
-        stats = HEAD_STAT_REDUCTIONS * s.rows / sched.microbatches * s.seq * 4
-        out.add("all-gather", ("tensor",), ticks * mb, ticks, "head input, per tick")
-        out.add("all-reduce", ("tensor",), ticks * (mb + stats), ticks * (1 + HEAD_STAT_REDUCTIONS),
-                "head input gradient and softmax statistics, per tick")  # fmt: skip
+        m = sched.microbatches  # the head runs once per micro-batch, on the last stage
+        stats = HEAD_STAT_REDUCTIONS * s.rows / m * s.seq * 4
+        if sp:
+            out.add("all-gather", ("tensor",), m * mb, m, "head input, per micro-batch")
+        out.add("all-reduce", ("tensor",), m * (mb + stats), m * (1 + HEAD_STAT_REDUCTIONS),
+                "head input gradient and softmax statistics, per micro-batch")  # fmt: skip
+
+
+def _runs(s: Any, kind: Kind) -> int:
+    """How often a device runs one chunk's lane of ``kind`` per step (`lane_runs`); gpipe and
+    circular run every layer on every tick."""
+    sched = s.schedule
+    return lane_runs(sched, kind, lockstep(s)) if sched.explicit else sched.ticks
 
 
 def _heads(out: _Sink, s: Any, act: float) -> None:
@@ -268,28 +300,30 @@ def _stages(out: _Sink, s: Any, act: float) -> None:
 
 
 def _kernels(out: _Sink, s: Any) -> None:
-    """What the kernels inside a stage move, per tick: one micro-batch through one chunk."""
+    """What the kernels inside a stage move: one micro-batch through one chunk, per tick
+    (gpipe, circular) or per run of the lane that holds them (the explicit schedules)."""
     sched, sz, cfg = s.schedule, s.sizes, s.cfg
     ticks, m = sched.ticks, sched.microbatches
+    fwd, bwd = _runs(s, Kind.FORWARD), _runs(s, Kind.BACKWARD)
     chunk = cfg.n_layers // (sz["stage"] * sched.repeats)
     shards = math.prod(sz[a] for a in BATCH_AXES)
     mb = s.batch // m  # sequences per micro-batch (global)
     if splits_sequence_over_tensor(s):  # Megatron SP inside each chunk
-        a = s.rows * s.local_seq * cfg.d_model * s.act_bytes / m
-        a /= math.prod(sz.get(x, 1) for x in sequence_axes(s) if x != "tensor")
+        a = s.rows * s.local_seq * cfg.d_model * s.act_bytes / m  # local_seq: over context
         groups, row = gathered_inputs(s), matmul_kinds(s.params, sz)[1]
-        runs = ticks * chunk
-        out.add("all-gather", ("tensor",), runs * groups * a, runs * groups,
+        f, b = fwd * chunk, bwd * chunk
+        out.add("all-gather", ("tensor",), f * groups * a, f * groups,
                 "sequence gathered before column-parallel matmuls")  # fmt: skip
-        out.add("all-gather", ("tensor",), runs * row * a, runs * row,
+        out.add("all-gather", ("tensor",), b * row * a, b * row,
                 "row-parallel output cotangents gathered in backward")  # fmt: skip
-        out.add("all-reduce", ("tensor",), runs * norm_vector_bytes(s), runs,
-                "norm gradients (norms see S/t of the sequence), per tick")  # fmt: skip
-        if s.remat == "full":
-            out.add("all-gather", ("tensor",), runs * groups * a, runs * groups,
+        out.add("all-reduce", ("tensor",), b * norm_vector_bytes(s), b,
+                "norm gradients (norms see S/t of the sequence)")  # fmt: skip
+        if s.remat != "none":  # dots keeps the matmul outputs, not the gathered inputs
+            out.add("all-gather", ("tensor",), b * groups * a, b * groups,
                     "sequence gathered again when remat recomputes the forward")  # fmt: skip
+        if s.remat == "full":
             again = row - 1
-            out.add("all-reduce", ("tensor",), runs * again * a, runs * again,
+            out.add("all-reduce", ("tensor",), b * again * a, b * again,
                     "row-parallel outputs recomputed in backward, all but the carry")  # fmt: skip
     experts = [q for q in s.params if q.role == "layer" and "experts" in q.logical]
     if sz.get("tensor", 1) > 1 and any("tensor" in q.axes for q in experts):
@@ -318,8 +352,9 @@ def _kernels(out: _Sink, s: Any) -> None:
                                 tensor=sz.get("tensor", 1), batch_shards=shards,
                                 dtype="float32" if s.act_bytes == 4 else "bfloat16",
                                 remat=s.remat != "none", batch_over_context=False)  # fmt: skip
-        for x in terms:
-            out.add(x.kind, x.axes, ticks * x.bytes, ticks * x.count, f"{x.what}, per tick")
+        for x in terms:  # the backward's own terms run in the B lanes, the rest in the F lanes
+            n = bwd if "backward" in x.what or "recomputed" in x.what else fwd
+            out.add(x.kind, x.axes, n * x.bytes, n * x.count, x.what)
 
 
 __all__ = ["split_pipeline_traffic", "splits_inside_stages"]

@@ -237,7 +237,9 @@ def predict(
         strategy: a preset name (`partition_rules.STRATEGIES`).
         mesh_sizes: axis sizes, e.g. ``{"fsdp": 64, "tensor": 8}`` (missing axes are 1).
         batch, seq: global batch (sequences per step) and sequence length.
-        pipeline: ``(schedule, microbatches, repeats)`` or a `PipelineSpec`, for pp presets.
+        pipeline: ``(schedule, microbatches, repeats[, stage_layers])`` or a `PipelineSpec`, for
+            pipeline strategies. ``stage_layers``: the layers of each virtual stage, or
+            ``"auto"`` for counts as even as the stack allows (126 layers on 16 stages).
         dtype: compute dtype ("float32", "bfloat16"); master weights stay float32.
         optimizer: "adamw", "adam" or "sgd" (state bytes).
         remat: "none", "dots" (each layer keeps its input and the outputs of its matmuls
@@ -320,8 +322,12 @@ def predict(
     if sched is not None and sched.explicit:  # the head runs per micro-batch, in the F lane
         logits /= sched.microbatches
     flops, critical, lanes = _lanes.flops(s, rows)
-    pipe = None if sched is None else {k: getattr(sched, k) for k in PIPELINE_FIELDS}
     notes = []
+    pipe = None if sched is None else {k: getattr(sched, k) for k in PIPELINE_FIELDS}
+    if s.stage_layers is not None:
+        pipe["stage_layers"] = list(s.stage_layers)
+        notes.append(f"uneven stages {list(s.stage_layers)}: each stage priced as holding and "
+                     f"running its chunks at the largest's {max(s.stage_layers)} layers")  # fmt: skip
     if lanes is not None:
         pipe["lanes"] = lanes.to_dict()
         pipe["lockstep"] = _lanes.lockstep(s)
@@ -339,7 +345,7 @@ def predict(
         remat=remat,
         pipeline=pipe,
         traffic=split_pipeline_traffic(s) if splits_inside_stages(s) else traffic(s),
-        n_params=sum(q.size for q in s.params),
+        n_params=s.n_params,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
         optimizer_bytes=moments * param_bytes + (4 if moments else 0),

@@ -3,6 +3,7 @@ batch, placed parameters, pipeline schedule), built by `setup` without devices o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -19,7 +20,14 @@ from sharding._mesh import BATCH_AXES, MeshSpec
 from sharding._resolve import place
 from sharding.costmodel._traffic import Param, classify
 from sharding.experts import expert_slots
-from sharding.pipeline import PipelineSpec, Schedule, check_pipeline
+from sharding.pipeline import (
+    LayerCountError,
+    PipelineSpec,
+    Schedule,
+    balance_layers,
+    check_pipeline,
+    check_stage_layers,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 LM_FAMILIES = ("llama", "gpt2", "llama-moe")
@@ -45,6 +53,17 @@ class Setup:
     remat: str
     context_method: str = "ring"
     attention: str = "auto"
+    # Uneven stages: the layers of each virtual stage (None: equal). ``cfg`` then holds
+    # ``stages x repeats x max(stage_layers)`` layers, every stage's chunk sized as the largest
+    # (what the busiest stage holds and runs each tick); ``layers`` is the model's own count.
+    stage_layers: tuple[int, ...] | None = None
+    layers: int = 0
+
+    @property
+    def n_params(self) -> int:
+        """The model's parameters (without the padding of uneven stages)."""
+        pad = self.cfg.n_layers / self.layers if self.layers else 1.0
+        return int(sum(q.size / (pad if q.role == "layer" else 1) for q in self.params))
 
     @property
     def rows(self) -> int:
@@ -102,13 +121,29 @@ def _abstract(family: Any, cfg: Any) -> Any:
     return abstract_params(lambda: family.Model(cfg, rngs=nnx.Rngs(0)))[1]
 
 
-def _pipeline_args(pipeline: Any) -> tuple[str, int, int] | None:
+def _pipeline_args(pipeline: Any) -> tuple[str, int, int, Any] | None:
+    """``(schedule, microbatches, repeats, stage_layers)`` of a `PipelineSpec` or a tuple of
+    the first two, three or four."""
     if pipeline is None:
         return None
     if hasattr(pipeline, "schedule"):  # a PipelineSpec
-        return pipeline.schedule, pipeline.microbatches, pipeline.repeats
+        return (pipeline.schedule, pipeline.microbatches, pipeline.repeats,
+                pipeline.stage_layers)  # fmt: skip
     schedule, microbatches, *rest = pipeline
-    return schedule, microbatches, rest[0] if rest else 1
+    return schedule, microbatches, rest[0] if rest else 1, rest[1] if len(rest) > 1 else None
+
+
+def _uneven(cfg: Any, stage_layers: Any, stages: int, repeats: int) -> tuple[int, ...] | None:
+    """The layers of each virtual stage where they differ, None for equal stages. ``"auto"``:
+    `sharding.pipeline.balance_layers` (as even as the count allows, the extra layers on the
+    last stages); a sequence: checked (`check_stage_layers`)."""
+    if stage_layers is None:
+        return None
+    if stage_layers == "auto":
+        counts = balance_layers(cfg.n_layers, stages, repeats=repeats)
+    else:
+        counts = check_stage_layers(stage_layers, cfg.n_layers, stages, repeats)
+    return None if len(set(counts)) == 1 else counts
 
 
 def setup(
@@ -174,14 +209,23 @@ def setup(
             f"ep_tp)"
         )
     rules, axis_map = preset(name, strategy)
-    schedule = None
+    schedule, layers = None, cfg.n_layers
+    uneven = None if args is None else _uneven(cfg, args[3], p, args[2])
+    if uneven is not None:  # every stage's chunk as large as the largest
+        cfg = dataclasses.replace(cfg, n_layers=p * args[2] * max(uneven))
     if args is not None:  # the very checks compile_train_step makes
         mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-        schedule = check_pipeline(PipelineSpec(*args), mesh, cfg.n_layers, batch)
+        try:
+            schedule = check_pipeline(PipelineSpec(*args[:3]), mesh, cfg.n_layers, batch)
+        except LayerCountError as e:
+            raise LayerCountError(
+                f"{e}; or give the stages uneven layer counts: pipeline=({args[0]!r}, "
+                f"{args[1]}, {args[2]}, 'auto') or a PipelineSpec with stage_layers"
+            ) from None
     placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
     return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
                  classify(placements, sizes), schedule, remat, context_method,
-                 check_kind(attention))  # fmt: skip
+                 check_kind(attention), uneven, layers)  # fmt: skip
 
 
 __all__ = ["DTYPE_BYTES", "LM_FAMILIES", "CostModelError", "Setup", "setup"]

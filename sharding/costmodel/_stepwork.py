@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sharding._units import fmt_bytes, fmt_count
-from sharding.costmodel._lanes import Lanes, price
+from sharding.costmodel._lanes import Lanes, lane_runs, price
 from sharding.costmodel._predict import Prediction
 from sharding.costmodel._steptime import CollectiveWork, StepTimeError, StepWork
 from sharding.inspection import FlopCounter, ProgramReport
@@ -108,11 +108,14 @@ class _Ticks:
                 [self.added(raw, raw.replace(m.group(0), e, 1)) for e in twice])  # fmt: skip
 
 
-def _lanes(t: _Ticks, body: str, per_tick: float, schedule: Schedule) -> tuple[Lanes, dict]:
+def _lanes(
+    t: _Ticks, body: str, per_tick: float, schedule: Schedule, lockstep: bool
+) -> tuple[Lanes, dict]:
     """Per action FLOPs of an explicit schedule's tick loop ``body``: each lane's taken branch
     (the dearest: an idle stage's branch computes nothing), F's head cond taken apart; and per
-    computation of a taken branch, the share of the ticks a stage runs it (m r or, the head's,
-    m of them), which a compiled count charges every tick."""
+    computation of a taken branch, the share of the ticks a stage runs it (`lane_runs`: m r, or
+    in lock-step the ticks any stage runs its kind; the head's m), which a compiled count
+    charges every tick."""
     ticks, taken, charged = schedule.ticks, {}, 0.0
     for kind, scope in LANES.items():
         names, flops = t.branches(body, scope)
@@ -128,8 +131,9 @@ def _lanes(t: _Ticks, body: str, per_tick: float, schedule: Schedule) -> tuple[L
     # The head's conditional runs inside F's taken branch, once per tick too.
     names, head = t.branches(taken[Kind.FORWARD][0], HEAD_SCOPE)
     head = [x / ticks for x in head]
-    m, r = schedule.microbatches, schedule.repeats
-    share = {c: m * r / ticks for name, _ in taken.values() if name for c in t.reach(name)}
+    m = schedule.microbatches
+    share = {c: lane_runs(schedule, kind, lockstep) / ticks
+             for kind, (name, _) in taken.items() if name for c in t.reach(name)}  # fmt: skip
     if names:
         share |= dict.fromkeys(t.reach(names[head.index(max(head))]), m / ticks)
     # zb-h1's W holds the head's weight gradient the same way.
@@ -167,10 +171,10 @@ def _pipeline_flops(
     if len(loops) != 1:
         raise StepTimeError(f"the {schedule.name} HLO has {len(loops)} loops of {ticks} "
                             f"iterations; expected one, the tick scan")  # fmt: skip
-    lanes, share = _lanes(t, loops[0][0], per_tick[0], schedule)
-    lanes = Lanes(**{**lanes.to_dict(), "outside": out["outside_flops"]})
     # Lanes in lock-step (a stage body partitioned over an automatic axis) price the union.
     lockstep = "/pipeline_lockstep/" in hlo_text
+    lanes, share = _lanes(t, loops[0][0], per_tick[0], schedule, lockstep)
+    lanes = Lanes(**{**lanes.to_dict(), "outside": out["outside_flops"]})
     critical, busiest = price(schedule, lanes, stage_layers, lockstep=lockstep)
     out.update(lanes=lanes.to_dict(), lockstep=lockstep, forward_tick_flops=lanes.forward,
                backward_tick_flops=lanes.backward, weight_tick_flops=lanes.weight,
@@ -328,7 +332,8 @@ def work_from_prediction(
                      f"(the head outside the tick scan counted as if it ticked).")  # fmt: skip
         return work
     # predict's lanes (one micro-batch through one chunk), priced as a compiled program's are.
-    critical, busiest = price(sched, Lanes.of(pipe["lanes"]), lockstep=pipe.get("lockstep", False))
+    critical, busiest = price(sched, Lanes.of(pipe["lanes"]), pipe.get("stage_layers"),
+                              lockstep=pipe.get("lockstep", False))  # fmt: skip
     k = getattr(pred, "accum", 1)  # the table runs once per micro-step
     work.matmul_flops, work.bubble_flops = k * critical, k * (critical - busiest)
     notes.append(f"{sched.name}: priced from the schedule table in lock-step (each tick as long "

@@ -134,8 +134,9 @@ def traffic(s: Any) -> list[Traffic]:
     c = sz.get("context", 1)
     rows = s.rows  # sequences per device (whole step)
     act = rows * s.local_seq * s.cfg.d_model * s.act_bytes  # one [rows, seq/c, d_model]
-    sched, n_layers = s.schedule, s.cfg.n_layers
-    explicit = sched is not None and sched.explicit  # 1f1b, interleaved, zb-h1
+    sched, n_layers = s.schedule, s.cfg.n_layers  # gpipe, circular: `split_pipeline_traffic`
+    if sched is not None and sched.explicit:
+        raise ValueError("the explicit schedules' traffic is split_pipeline_traffic's")
     # gpipe/circular with the head on 1/p of the rows per stage: its gradients add over stage too
     head_extra = ("stage",) if rows_over_stages(s) else ()
 
@@ -184,29 +185,18 @@ def traffic(s: Any) -> list[Traffic]:
 
     for q in s.params:
         if q.role == "table":
-            _table(out, s, q, act, rows, batch_axes, 0.0 if explicit else grad_bytes(q))
+            _table(out, s, q, act, rows, batch_axes, grad_bytes(q))
             if c > 1:  # its gradient over the sequence shards, whole (measured, cp and fsdp_cp)
                 out.add("all-reduce", ("context",), grad_bytes(q), 1,
                         "gradient of the token table over the sequence")  # fmt: skip
-            if tied(s.params) and not explicit:
+            if tied(s.params):
                 reduce_grad(q, "gradient of the tied head", extra=head_extra)
                 _fsdp_gather(out, s, q, 1 if "tensor" not in q.axes else 2, "tied head weights")
-        elif explicit and q.role != "layer":
-            pass  # reduced below, with the rest of the head-side parameters
         else:
             extra = head_extra if q.role in ("head", "vector", "other") else ()
             reduce_grad(q, f"gradient reduction ({'layers' if q.role == 'layer' else q.role})",
                         extra=extra)  # fmt: skip
         head_side_gathers(out, s, q)
-    if explicit:
-        # The explicit schedules differentiate the embedding at the first stage and the head at
-        # the last, inside the scan: the gradients of every non-layer parameter are summed over
-        # stage and the batch at once.
-        for q in s.params:
-            if q.role != "layer":
-                reduce_grad(q, "embedding- and head-side gradients", full_rows=True,
-                            extra=("stage",))  # fmt: skip
-
     _layers(out, s, act, rows)
     heads = [q for q in s.params if q.role == "head" or (q.role == "table" and tied(s.params))]
     if any("tensor" in q.axes for q in heads):
@@ -310,19 +300,13 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
         passes, per_pass_layers = sched.ticks, n_layers // (p * sched.repeats)
         a = act / sched.microbatches
         remat = s.remat == "full"  # a backward recomputes a forward only under remat full
-        if sched.explicit:  # lanes under lax.cond: m forwards and backwards per chunk run
-            passes = sched.microbatches * sched.repeats
 
     def gathered(q: Param) -> float:  # elements of q one device holds once gathered over fsdp
         return q.size / math.prod(sz[x] for x in q.axes if x != "fsdp") if "fsdp" in q.axes else 0
 
     layer_gathered = sum(gathered(q) for q in s.params if q.role == "layer")
     if layer_gathered and sz.get("fsdp", 1) > 1 and sched is not None:
-        # Each stage gathers its own layers' weights once per step, before the ticks (a stage
-        # holds 1/p of the stack: `gathered` divides by stage).
-        arrays = sum(1 for q in s.params if q.role == "layer" and "fsdp" in q.axes)
-        out.add("all-gather", ("fsdp",), layer_gathered * s.act_bytes, arrays,
-                "stage weights, once per step")  # fmt: skip
+        stage_gather(out, s)
     elif layer_gathered and sz.get("fsdp", 1) > 1:
         # ZeRO-3: each layer's weights gathered for its forward and again for its backward.
         # Not the experts' (fsdp_ep): they are gathered at the expert kernel's shard_map
@@ -348,26 +332,31 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
         sequence_traffic(out, s, act)  # Megatron SP's gathers (strategies tp_sp, fsdp_tp_sp)
 
 
+def stage_gather(out: _Sink, s: Any) -> None:
+    """A pipeline over fsdp: each stage gathers its own layers' weights whole over fsdp once per
+    step, before the ticks (a stage holds 1/p of the stack), in the compute dtype."""
+    sz = s.sizes
+    fsdp = [q for q in s.params if q.role == "layer" and "fsdp" in q.axes]
+    if fsdp and sz.get("fsdp", 1) > 1:
+        held = sum(q.size / math.prod(sz[x] for x in q.axes if x != "fsdp") for q in fsdp)
+        out.add("all-gather", ("fsdp",), held * s.act_bytes, len(fsdp),
+                "stage weights, once per step")  # fmt: skip
+
+
 def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
     """Stage-to-stage shifts per tick and the stage reductions around the pipelined region."""
     sched = s.schedule
     mb = act / sched.microbatches  # one micro-batch's activation on this device
-    if sched.explicit:
-        # One tick forwards an activation and backwards a cotangent on every stage (interleaved:
-        # round a ring, its v chunks making v times the ticks).
-        out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
-                "activations + cotangents to the neighbour stage")  # fmt: skip
-    else:
-        out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
-                "activations forward, cotangents backward")  # fmt: skip
-        if rows_over_stages(s):
-            # The last stage's outputs are scattered over stage (each its share of the rows)
-            # and their cotangents gathered back; the input cotangent is summed over stage.
-            out.add("reduce-scatter", ("stage",), act, 1, "pipeline outputs to every stage")
-            out.add("all-gather", ("stage",), act, 1, "output cotangents to the last stage")
-            out.add("all-reduce", ("stage",), act, 1, "input cotangents to the embedding")
-        else:  # the outputs summed over stage to leave the pipeline, the input cotangent too
-            out.add("all-reduce", ("stage",), 2 * act, 2, "pipeline outputs + input cotangents")
+    out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
+            "activations forward, cotangents backward")  # fmt: skip
+    if rows_over_stages(s):
+        # The last stage's outputs are scattered over stage (each its share of the rows)
+        # and their cotangents gathered back; the input cotangent is summed over stage.
+        out.add("reduce-scatter", ("stage",), act, 1, "pipeline outputs to every stage")
+        out.add("all-gather", ("stage",), act, 1, "output cotangents to the last stage")
+        out.add("all-reduce", ("stage",), act, 1, "input cotangents to the embedding")
+    else:  # the outputs summed over stage to leave the pipeline, the input cotangent too
+        out.add("all-reduce", ("stage",), 2 * act, 2, "pipeline outputs + input cotangents")
     chunk_regroup(out, s)
 
 
@@ -377,5 +366,10 @@ def chunk_regroup(out: _Sink, s: Any) -> None:
     if s.schedule.repeats > 1:
         layer = [q for q in s.params if q.role == "layer"]
         nbytes = sum(q.nbytes / math.prod(s.sizes[a] for a in q.axes) for q in layer)
+        if s.sizes.get("fsdp", 1) > 1:
+            # The stages regroup their weights once gathered whole over fsdp, in the compute
+            # dtype (`stage_gather`), and their gradients before the reduction.
+            nbytes = sum(q.size / math.prod(s.sizes[a] for a in q.axes if a != "fsdp")
+                         for q in layer) * s.act_bytes  # fmt: skip
         out.add("all-to-all", ("stage",), 2 * nbytes, 2 * len(layer),
                 "layer weights to chunks, their gradients back")  # fmt: skip
