@@ -48,12 +48,14 @@ from models._hf import (
     check_config_keys,
     require,
 )
+from models._hf_configs import MODEL_TYPES, read_config
 from models._hf_gpt2 import FAMILY as GPT2
 from models._hf_llama import FAMILY as LLAMA
 
 __all__ = [
     "GPT2",
     "LLAMA",
+    "MODEL_TYPES",
     "Checkpoint",
     "Family",
     "HFCheckpointNotFoundError",
@@ -66,6 +68,7 @@ __all__ = [
     "UnsupportedHFConfigError",
     "check_config_keys",
     "load",
+    "read_config",
     "require",
     "save",
 ]

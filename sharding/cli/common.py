@@ -9,7 +9,6 @@ from typing import NoReturn
 
 from rich.console import Console
 
-import models
 from models.attention import KINDS as ATTENTION_KINDS
 from sharding import cpu_only, setup_devices  # noqa: F401  (re-exported for the commands)
 from sharding.cli.argtypes import (  # noqa: F401  (re-exported for the commands)
@@ -17,6 +16,11 @@ from sharding.cli.argtypes import (  # noqa: F401  (re-exported for the commands
     positive_int,
     stage_layers_arg,
     strategy_arg,
+)
+from sharding.cli.model_args import (  # noqa: F401  (re-exported for the commands)
+    add_model_args,
+    sizes_text,
+    workload_from_args,
 )
 from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
@@ -51,51 +55,6 @@ def add_command(
     epilog = "examples:\n" + "\n".join(f"  spmdkit {name} {e}".rstrip() for e in examples)
     return sub.add_parser(name, help=help, description=doc, epilog=epilog,
                           formatter_class=HelpFormatter)  # fmt: skip
-
-
-def sizes_text(family: str, sources: bool = False) -> str:
-    """``"tiny, 124m"``: a family's sizes (with ``sources``: each with its ``SOURCES`` entry)."""
-    known = getattr(fam := models.get_family(family), "SOURCES", {})
-    return ", ".join(f"{s} ({known[s]})" if sources and s in known else s for s in fam.SIZES)
-
-
-def add_model_args(
-    p: argparse.ArgumentParser,
-    *,
-    size: str | None = None,
-    families: tuple[str, ...] | None = None,
-    size_help: str = "",
-) -> None:
-    families = tuple(families or sorted(models.FAMILIES))
-    sizes = "; ".join(f"{f}: {sizes_text(f, sources=True)}" for f in families)
-    p.add_argument("--model", default="llama" if "llama" in families else families[0],
-                   metavar="NAME|MODULE:ATTR",
-                   help=f"a shipped model ({', '.join(families)}), or your own: "
-                   "package.module:attribute or path/to/file.py:attribute naming a "
-                   "sharding.Workload or a function returning one")  # fmt: skip
-    p.add_argument("--size", default=size,
-                   help=f"named size of a shipped model ({sizes}){size_help or '; when unset: tiny'}"
-                   "; for your own model, passed as size= to its function")  # fmt: skip
-
-
-def workload_from_args(args: argparse.Namespace, *, families: tuple[str, ...] | None = None):
-    """The `sharding.Workload` that ``--model`` / ``--size`` name (shipped or the user's)."""
-    from sharding import WorkloadError, load_workload
-
-    shipped = {f: models.get_family(f) for f in (families or models.FAMILIES)}
-    if args.model in models.FAMILIES and args.model not in shipped:
-        raise WorkloadError(
-            f"--model {args.model}: this command takes {', '.join(shipped)} among the shipped "
-            f"models, or your own as module:attribute"
-        )
-    if args.model in shipped:
-        family, size = shipped[args.model], args.size or "tiny"
-        if size not in family.SIZES:
-            raise WorkloadError(
-                f"--size {size!r}: unknown {args.model} size; sizes: {', '.join(family.SIZES)}"
-            )
-        return load_workload(args.model, size=size, shipped=shipped)
-    return load_workload(args.model, size=args.size, shipped=shipped)
 
 
 def add_strategy_args(

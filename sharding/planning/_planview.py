@@ -76,8 +76,10 @@ class PlanResult:
         if not c.fits or self.source != "formula":
             return None
         lay = c.layout
-        flags = ["spmdkit train --model", self.model, "--size", self.size, "--strategy",
-                 lay.strategy, "--mesh", lay.mesh, "--batch", str(self.batch)]  # fmt: skip
+        # A config read from a Hugging Face config.json is named by its --model hf:PATH.
+        model = [self.size] if self.size.startswith("hf:") else [self.model, "--size", self.size]
+        flags = ["spmdkit train --model", *model, "--strategy", lay.strategy, "--mesh", lay.mesh,
+                 "--batch", str(self.batch)]  # fmt: skip
         flags += ["--seq", str(self.seq)] if self.seq else []
         if lay.schedule is not None:
             flags += ["--schedule", lay.schedule, "--microbatches", str(lay.microbatches)]
