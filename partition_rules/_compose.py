@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from partition_rules._rules import AxisMap, UnknownPresetError
@@ -117,7 +118,7 @@ class Composition:
     def axes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(("data", *(PART_AXES[p] for p in self.parts))))
 
-    @property
+    @functools.cached_property
     def axis_map(self) -> AxisMap:
         """Every logical axis mapped: the parts' blocks, the sequence where sp and cp put it,
         and everything else replicated, stated per name."""
@@ -141,13 +142,21 @@ class Composition:
 
 
 def composition(strategy: str) -> Composition:
-    """The composition a strategy name or ``a+b+...`` spelling stands for, checked.
+    """The composition a strategy name or ``a+b+...`` spelling stands for, checked (each
+    spelling read once: `_composition`).
 
     Raises:
         CompositionError: an unknown name or part, a part written twice, ``sp`` without
             ``tp``, or not a string (the message lists the parts and the names).
     """
-    if not isinstance(strategy, str) or not strategy.strip():
+    if not isinstance(strategy, str):
+        raise CompositionError(f"strategy {strategy!r} is not a name; {_known()}")
+    return _composition(strategy)
+
+
+@functools.lru_cache(maxsize=512)
+def _composition(strategy: str) -> Composition:
+    if not strategy.strip():
         raise CompositionError(f"strategy {strategy!r} is not a name; {_known()}")
     spelled = ALIASES.get(strategy.strip(), strategy.strip())
     parts = [p.strip() for p in spelled.split("+")]

@@ -166,7 +166,7 @@ def lane_runs(schedule: Schedule, kind: Kind, lockstep: bool) -> int:
     stage runs that kind (every stage executes the branch then; `sharding.pipeline._lockstep`)."""
     if not lockstep:
         return schedule.microbatches * schedule.repeats
-    return sum(any(a.kind == kind for cell in row for a in cell) for row in schedule.table)
+    return schedule.active_ticks[kind]
 
 
 def lockstep(s: Any) -> bool:

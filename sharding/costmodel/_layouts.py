@@ -8,14 +8,16 @@ or predict the same `Layout` objects, and `Layout.program` builds the training s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partition_rules import STRATEGIES, CompositionError, composition
-from sharding._mesh import AXES, MeshSpec, mesh_text
+from sharding._mesh import AXES, BATCH_AXES, MeshSpec, mesh_text
 from sharding._recipe import build_program, pipeline_for
 from sharding.costmodel._predict import CostModelError
+from sharding.costmodel._shapes import _divisors, _node_wide, _suggested, splits
 from sharding.pipeline import EXPLICIT, PipelineSpec
 
 # Layouts in order: the guides' three families, their hybrids, the sequence and expert splits.
@@ -60,13 +62,17 @@ class Layout:
     microbatches: int | None = None
     repeats: int = 1
     fallback: bool = False  # another shape, tried only if the ones before it failed
+    # "auto": stages whose layer counts differ (the stack does not split evenly over them),
+    # priced by the closed form; spmdkit's own step needs the stages to divide the layers.
+    stage_layers: str | None = None
 
     @property
     def label(self) -> str:
         if self.schedule is None:
             return self.strategy
         r = f" r={self.repeats}" if self.repeats > 1 else ""
-        return f"{self.strategy} {self.schedule} m={self.microbatches}{r}"
+        uneven = " uneven" if self.stage_layers else ""
+        return f"{self.strategy} {self.schedule} m={self.microbatches}{r}{uneven}"
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -77,8 +83,9 @@ class Layout:
         """The `PipelineSpec` of a pipeline layout, or None."""
         if self.schedule is None:
             return None
-        return pipeline_for(self.strategy, self.sizes["stage"], schedule=self.schedule,
+        spec = pipeline_for(self.strategy, self.sizes["stage"], schedule=self.schedule,
                             microbatches=self.microbatches, repeats=self.repeats)  # fmt: skip
+        return spec if self.stage_layers is None else replace(spec, stage_layers=self.stage_layers)
 
     def program(
         self,
@@ -157,14 +164,8 @@ def strategy_names(strategies: str | Sequence[str] | None, extra: Sequence[str] 
             f"dp,fsdp+tp)"
         )
     named = [s if s in STRATEGIES else (c := composition(s)).alias or c.name for s in wanted]
-    unpriced = [s for s in named if s not in STRATEGIES and s not in PRICED_COMPOSITIONS]
-    if unpriced:
-        raise UnknownStrategyError(
-            f"--strategies: {unpriced[0]} is a composition that compare and plan do not price "
-            f"yet; they price {', '.join(STRATEGIES)}, {', '.join(PRICED_COMPOSITIONS)} and the "
-            f"same parts written with '+'. spmdkit train and explain run it"
-        )
-    return [s for s in dict.fromkeys((*ORDER, *STRATEGIES)) if s in named]
+    known = [s for s in dict.fromkeys((*ORDER, *STRATEGIES)) if s in named]
+    return known + [s for s in dict.fromkeys(named) if s not in known]  # compositions, as given
 
 
 def _known(strategy: object) -> bool:
@@ -201,21 +202,6 @@ def meshes(
     return out
 
 
-def splits(strategy: str) -> tuple[set[str], set[str]]:
-    """(mesh axes the strategy may use, axes it needs > 1 to be itself).
-
-    The axes that split parameters must all be > 1 (fsdp with fsdp=1 is dp), and only those
-    and ``data`` may be: any other axis would only replicate.
-    """
-    axes = {
-        a
-        for name, v in composition(strategy).axis_map.items()
-        if name != "batch"
-        for a in ((v,) if isinstance(v, str) else (v or ()))
-    }
-    return axes | {"data"}, axes
-
-
 def layouts(
     devices: int,
     n_layers: int,
@@ -226,6 +212,7 @@ def layouts(
     batch: int | None = None,
     per_node: int | None = None,
     extra: Sequence[str] = (),
+    rejected: list[dict] | None = None,
 ) -> list[Layout]:
     """The layouts to try on ``devices`` devices for a model of ``n_layers`` layers.
 
@@ -271,10 +258,14 @@ def layouts(
                 continue
             if search:
                 pipes = _searched_pipelines(sizes, n_layers, batch)
+                if not pipes and rejected is not None:
+                    rejected.append({"layout": f"{strategy} (pipelined)", "mesh": mesh_text(sizes),
+                                     "reason": _no_pipeline(sizes, n_layers, batch)})  # fmt: skip
             else:
-                pipes = _compare_pipelines(name, sizes, n_layers, devices, fixed=given is not None,
-                                           batch=batch)  # fmt: skip
-            out += [Layout(strategy, mesh_text(at), s, m, r) for s, m, r, at in pipes]
+                pipes = [(*x, None) for x in _compare_pipelines(
+                    name, sizes, n_layers, devices, fixed=given is not None, batch=batch)]  # fmt: skip
+            out += [Layout(strategy, mesh_text(at), s, m, r, stage_layers=u)
+                    for s, m, r, at, u in pipes]  # fmt: skip
         for text in node_wide:
             sizes = MeshSpec.of(text).resolve(devices).sizes
             if mesh_text(sizes) in {x.mesh for x in out if x.strategy == name}:
@@ -285,58 +276,6 @@ def layouts(
             else:
                 out.append(Layout(name, mesh_text(sizes)))
     return out
-
-
-def _node_wide(name: str, n: int, per_node: int | None) -> list[str]:
-    """Shapes with tensor over one whole node and the batch axis across nodes (the guides'
-    rule for a multi-node cluster: tensor parallelism inside the fast interconnect)."""
-    if per_node is None or per_node < 2 or n <= per_node or n % per_node:
-        return []
-    across = n // per_node
-    return {"tp": [f"data={across},tensor={per_node}"],
-            "dp_tp": [f"data={across},tensor={per_node}"],
-            "fsdp_tp": [f"fsdp={across},tensor={per_node}"],
-            "pp_tp": [f"stage={across},tensor={per_node}"] if across >= 2 else []}.get(name, [])  # fmt: skip
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
-
-
-def _suggested(name: str, n: int) -> list[str]:
-    """Mesh shapes to offer ``name`` on ``n`` devices, best first (first that resolves wins)."""
-    half = max(n // 2, 1)
-    stage = next((s for s in (4, 2) if n % s == 0 and n > s), None)
-    table = {
-        "dp": [f"data={n}"],
-        "fsdp": [f"fsdp={n}"],
-        "tp": [f"tensor={t},data={n // t}" for t in _divisors(n) if t > 1],
-        "dp_tp": [f"data={half},tensor=2"] if n >= 4 and n % 2 == 0 else [],
-        "fsdp_tp": [f"fsdp={half},tensor=2"] if n >= 4 and n % 2 == 0 else [],
-        "pp": [f"stage={stage},data={n // stage}"] if stage else [],
-        "pp_tp": [f"stage=2,tensor=2,data={n // 4}"] if n >= 4 and n % 4 == 0 else [],
-        "pp_fsdp": [f"stage=2,fsdp={half}"] if n >= 4 and n % 2 == 0 else [],
-        "fsdp+tp+pp": [f"stage=2,fsdp={n // 4},tensor=2"] if n >= 8 and n % 4 == 0 else [],
-        # Split the sequence / the experts as far as leaves a second axis (fallbacks follow).
-        "tp_sp": [f"tensor={t},data={n // t}" for t in _divisors(n) if t > 1],
-        "fsdp_tp_sp": [f"fsdp={half},tensor=2"] if n >= 4 and n % 2 == 0 else [],
-        "cp": [f"context={c},data={n // c}" for c in _divisors(n) if c > 1],
-        "fsdp_cp": [f"fsdp={n // c},context={c}" for c in _divisors(n) if 1 < c < n],
-        "ep": [f"expert={e},data={n // e}" for e in _divisors(n) if e > 1],
-        "fsdp_ep": [f"fsdp={n // e},expert={e}" for e in _divisors(n) if 1 < e < n],
-        "ep_tp": [f"expert={e},tensor=2,data={n // e // 2}" for e in _divisors(n // 2) if e > 1]
-        if n % 2 == 0
-        else [],
-        # Pipelines with a split inside the stages: two stages, the split as wide as leaves data.
-        "pp_cp": [f"stage=2,context={c},data={n // 2 // c}" for c in _divisors(n // 2) if c > 1]
-        if n % 2 == 0
-        else [],
-        "pp_tp_sp": [f"stage=2,tensor=2,data={n // 4}"] if n >= 4 and n % 4 == 0 else [],
-        "pp_ep": [f"stage=2,expert={e},data={n // 2 // e}" for e in _divisors(n // 2) if e > 1]
-        if n % 2 == 0
-        else [],
-    }
-    return table.get(name, [])
 
 
 def _compare_pipelines(
@@ -365,22 +304,34 @@ def _compare_pipelines(
     return out
 
 
+def _no_pipeline(sizes: dict[str, int], n_layers: int, batch: int | None) -> str:
+    p = sizes["stage"]
+    if n_layers < p:
+        return f"{n_layers} layers on stage={p}: every stage needs a layer"
+    rows = None if batch is None else batch // math.prod(sizes[a] for a in BATCH_AXES)
+    return (f"the batch's {rows} rows per data x fsdp x expert shard do not split into at least "
+            f"stage={p} micro-batches")  # fmt: skip
+
+
 def _searched_pipelines(
     sizes: dict[str, int], n_layers: int, batch: int | None
 ) -> list[tuple[str, int, int, dict[str, int]]]:
     from sharding.costmodel._batching import pipeline_microbatches
 
     p = sizes["stage"]
-    if batch is None or p < 2 or n_layers % p:
+    if batch is None or p < 2 or n_layers < p:
         return []
     m = pipeline_microbatches(sizes, batch)  # the most of 4p, 2p, p: a smaller bubble
     if m is None:
         return []
+    # Stages that do not divide the layers take uneven counts ("auto"), as Llama 3 405B's 126
+    # layers on 16 stages did; chunked schedules only where each chunk's layers are even.
     return [
-        (schedule, m, 2 if schedule in CHUNKED else 1, sizes)
+        (schedule, m, 2 if schedule in CHUNKED else 1, sizes,
+         None if n_layers % p == 0 else "auto")
         for schedule in SEARCH_SCHEDULES
         if schedule not in CHUNKED or n_layers % (2 * p) == 0
-    ]
+    ]  # fmt: skip
 
 
 __all__ = [

@@ -32,6 +32,8 @@ from sharding.costmodel._stepwork import work_from_prediction
 from sharding.pipeline import PipelineConfigError, ScheduleError
 from sharding.targets import Target, target
 
+# Searched beside the strategies once the sequence is long enough for context parallelism.
+LONG_COMPOSITION = "fsdp+tp+sp+cp+pp"
 # The closed-form search tries every policy; compiled layouts run "none".
 REMATS = ("none", "dots", "full")
 # The most layouts `compiled_candidates` compiles for one workload (each is a full AOT compile).
@@ -185,9 +187,12 @@ def candidates(
     attention: str = "auto",
     accum: int | None = None,
     micro_batch: int | None = None,
+    rejected: list[dict] | None = None,
 ) -> list[Estimate]:
     """Every valid layout of a language-model family on ``tgt``, from the closed forms: fitting
-    ones first by predicted step time, then the rest by memory.
+    ones first by predicted step time, then the rest by memory. ``rejected``, a list, receives
+    ``{"layout", "mesh", "reason"}`` for each layout searched and not priced (`_pruned`, or the
+    closed form's error: a rule that does not divide, a batch that does not split).
 
     The global ``batch`` is searched as micro-steps (`micro_steps`): per layout and remat
     policy, the smallest accumulation that fits (each extra micro-step re-gathers fsdp's weights
@@ -212,24 +217,53 @@ def candidates(
                      attention=attention)  # fmt: skip
     out: list[Estimate] = []
     extra = called_for(Workload.from_family(family, cfg), seq)  # long sequence, experts
+    if "cp" in extra:  # every split at once, as the longest runs lay out (Llama 3 405B at 128K)
+        extra = (*extra, LONG_COMPOSITION)
     for layout in layouts(tgt.devices, cfg.n_layers, strategies=strategies, search=True,
-                          batch=batch, extra=extra):  # fmt: skip
-        for remat in REMATS:
+                          batch=batch, extra=extra, rejected=rejected):  # fmt: skip
+        why = _pruned(layout, tgt)
+        found = False
+        for remat in REMATS if why is None else ():
             for k, run in micro_steps(layout, batch, accum=accum, micro_batch=micro_batch):
                 try:
                     pred = predict(family, cfg, run.strategy, run.sizes, batch, seq,
                                    pipeline=run.pipeline(), dtype=dtype, optimizer=optimizer,
                                    remat=remat, attention=attention, accum=k)  # fmt: skip
-                except (CostModelError, PipelineConfigError, RuleError, ScheduleError):
+                except (CostModelError, PipelineConfigError, RuleError, ScheduleError) as e:
+                    why = _reason(e)
                     continue
                 st = step_time(work_from_prediction(pred, model_flops=useful.matmul_flops), tgt)
                 fits = pred.memory_bytes <= budget
                 out.append(Estimate(run, remat, st, pred.memory_bytes, fits,
                                     pred.collective_bytes(), prediction=pred))  # fmt: skip
+                found = True
                 if fits:
                     break
+        if rejected is not None and not found:
+            pinned = " at the pinned --accum / --micro-batch" if accum or micro_batch else ""
+            why = why or (f"the global batch {batch} does not split over the mesh's batch "
+                          f"axes (data x fsdp x expert) in whole rows{pinned}")  # fmt: skip
+            rejected.append({"layout": layout.label, "mesh": layout.mesh, "reason": why})
     return rank_estimates(out, f"{family.NAME} {cfg.name}", tgt, batch, f"batch {batch} x seq {seq}, "
                  f"{dtype}", strategies, budget)  # fmt: skip
+
+
+def _reason(err: Exception) -> str:
+    """An error's first lines, one line of at most 300 characters (a rule error's first line
+    only says how many parameters did not place; the next names one)."""
+    text = " ".join(line.strip() for line in str(err).splitlines()[:3] if line.strip())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _pruned(layout: Layout, tgt: Target) -> str | None:
+    """Why a layout is not worth predicting, or None: tensor parallelism across nodes (its
+    reductions run in every layer, over the inter-node links). Layouts that do not fit are
+    priced all the same, ranked after the fitting ones."""
+    sz = layout.sizes
+    if sz["tensor"] > tgt.per_node:
+        return (f"tensor={sz['tensor']} spans nodes of {tgt.per_node}: its per-layer "
+                f"reductions would cross the inter-node links")  # fmt: skip
+    return None
 
 
 def rank_estimates(out: list[Estimate], what: str, tgt: Target, batch: int, setting: str,

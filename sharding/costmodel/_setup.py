@@ -133,6 +133,21 @@ def _pipeline_args(pipeline: Any) -> tuple[str, int, int, Any] | None:
     return schedule, microbatches, rest[0] if rest else 1, rest[1] if len(rest) > 1 else None
 
 
+@functools.lru_cache(maxsize=1024)
+def _balanced(n_layers: int, stages: int, repeats: int) -> tuple[int, ...]:
+    return balance_layers(n_layers, stages, repeats=repeats)
+
+
+@functools.lru_cache(maxsize=8192)
+def _placed(family: Any, cfg: Any, strategy: str, sizes: tuple) -> tuple[Param, ...]:
+    """The parameters placed by the strategy's rules on a mesh (``sizes``: its items), once per
+    (model, strategy, mesh): a search predicts each layout under several remat policies and
+    accumulations."""
+    rules, axis_map = preset(family.NAME, strategy)
+    placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**dict(sizes)))
+    return tuple(classify(placements.placements, dict(sizes)))
+
+
 def _uneven(cfg: Any, stage_layers: Any, stages: int, repeats: int) -> tuple[int, ...] | None:
     """The layers of each virtual stage where they differ, None for equal stages. ``"auto"``:
     `sharding.pipeline.balance_layers` (as even as the count allows, the extra layers on the
@@ -140,7 +155,7 @@ def _uneven(cfg: Any, stage_layers: Any, stages: int, repeats: int) -> tuple[int
     if stage_layers is None:
         return None
     if stage_layers == "auto":
-        counts = balance_layers(cfg.n_layers, stages, repeats=repeats)
+        counts = _balanced(cfg.n_layers, stages, repeats)
     else:
         counts = check_stage_layers(stage_layers, cfg.n_layers, stages, repeats)
     return None if len(set(counts)) == 1 else counts
@@ -208,7 +223,7 @@ def setup(
             f"with one of those, or a strategy without 'stage' (dp, fsdp, tp, ep, fsdp_ep, "
             f"ep_tp)"
         )
-    rules, axis_map = preset(name, strategy)
+    preset(name, strategy)  # a strategy the family has no rules for raises here, first
     schedule, layers = None, cfg.n_layers
     uneven = None if args is None else _uneven(cfg, args[3], p, args[2])
     if uneven is not None:  # every stage's chunk as large as the largest
@@ -222,9 +237,9 @@ def setup(
                 f"{e}; or give the stages uneven layer counts: pipeline=({args[0]!r}, "
                 f"{args[1]}, {args[2]}, 'auto') or a PipelineSpec with stage_layers"
             ) from None
-    placements = place(rules, axis_map, _abstract(family, cfg), MeshSpec(**sizes)).placements
     return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
-                 classify(placements, sizes), schedule, remat, context_method,
+                 list(_placed(family, cfg, strategy, tuple(sizes.items()))), schedule, remat,
+                 context_method,
                  check_kind(attention), uneven, layers)  # fmt: skip
 
 

@@ -29,16 +29,27 @@ gpipe and 1f1b take ``3(m + p - 1)`` units, interleaved ``3(m + (p - 1)/v)``, zb
 from __future__ import annotations
 
 import difflib
-import math
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 from rich.table import Table
 
 from sharding.pipeline import _tables
-from sharding.pipeline._errors import PipelineError
+from sharding.pipeline._errors import (  # noqa: F401  (the schedule's errors, re-exported)
+    LayerCountError,
+    PipelineError,
+    RepeatsError,
+    ScheduleError,
+    ScheduleSizeError,
+    TooFewMicrobatchesError,
+    UnknownScheduleError,
+    _check_sizes,
+    check_layers,
+)
 from sharding.pipeline._kinds import Action, Cell, Kind
 from sharding.pipeline._render import labels, render, rich_table
 
@@ -47,31 +58,8 @@ EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # the table holds the backward too
 CHUNKED = ("circular", "interleaved")  # repeats >= 2 chunks of layers per stage
 
 
-class ScheduleError(PipelineError):
-    """A pipeline schedule that cannot be built as asked."""
-
-
-class ScheduleSizeError(ScheduleError):
-    """Stages, micro-batches or repeats is not an integer >= 1."""
-
-
-class UnknownScheduleError(ScheduleError):
-    """The schedule name is not one of `SCHEDULES`."""
-
-
-class RepeatsError(ScheduleError):
-    """Circular or interleaved with fewer than 2 repeats, or repeats given to another schedule."""
-
-
-class TooFewMicrobatchesError(ScheduleError):
-    """A schedule other than gpipe with fewer micro-batches than stages, or interleaved with
-    micro-batches that are not a multiple of the stages."""
-
-
-class LayerCountError(ScheduleError):
-    """The layer count does not split evenly over stages x repeats."""
-
-
+# The kinds of action a tick's cost adds up (an idle cell costs nothing).
+KINDS_PRICED = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
 Grid = tuple[tuple[Action, ...], ...]  # [tick][stage], one action each
 Table_ = tuple[tuple[Cell, ...], ...]  # [tick][stage], the cell's actions
 
@@ -137,7 +125,7 @@ class Schedule:
         """Whether the table holds the backward (one scan for the step, no autodiff)."""
         return self.name in EXPLICIT
 
-    @property
+    @cached_property
     def splits_backward(self) -> bool:
         """Whether backward actions compute input gradients only, ``W`` the weight gradients."""
         return any(a.kind is Kind.WEIGHT for row in self.table for cell in row for a in cell)
@@ -220,14 +208,33 @@ class Schedule:
         split = self.splits_backward
         cost = {Kind.FORWARD: f, Kind.BACKWARD: b if split else [x + y for x, y in zip(b, w, strict=True)],
                 Kind.WEIGHT: w}  # fmt: skip
-        per_tick, per_stage = [], [0.0] * p
-        for row in self.table + self.backward_table:
-            union = [a.kind for a in {a.kind: a for cell in row for a in cell}.values()]
-            work = [sum(cost[k][s] for k in (union if lockstep else [a.kind for a in cell])) / r
-                    for s, cell in enumerate(row)]  # fmt: skip
-            per_tick.append(max(work))
-            per_stage = [x + y for x, y in zip(per_stage, work, strict=True)]
-        return TickCosts(float(sum(per_tick)), float(max(per_stage)), tuple(per_tick))
+        # [ticks, stages, kinds] action counts (or, in lock-step, the tick's union of kinds)
+        # against [kinds, stages] costs: each tick's work per stage.
+        counts, union = self._kind_counts
+        c = np.array([cost[k] for k in KINDS_PRICED], dtype=float)
+        work = (np.einsum("tk,ks->ts", union, c) if lockstep
+                else np.einsum("tsk,ks->ts", counts, c)) / r  # fmt: skip
+        per_tick = work.max(axis=1)
+        return TickCosts(float(per_tick.sum()), float(work.sum(axis=0).max()),
+                         tuple(float(x) for x in per_tick))  # fmt: skip
+
+    @cached_property
+    def _kind_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The table then the backward table as ``[ticks, stages, kinds]`` action counts, and
+        ``[ticks, kinds]``: whether any stage runs the kind in the tick (`KINDS_PRICED`)."""
+        rows = self.table + self.backward_table
+        counts = np.zeros((len(rows), self.stages, len(KINDS_PRICED)))
+        for t, row in enumerate(rows):
+            for s, cell in enumerate(row):
+                for a in cell:
+                    counts[t, s, KINDS_PRICED.index(a.kind)] += 1
+        return counts, (counts.sum(axis=1) > 0).astype(float)
+
+    @cached_property
+    def active_ticks(self) -> dict[Kind, int]:
+        """Per kind of action, the ticks of the table in which some stage runs one."""
+        union = self._kind_counts[1][: len(self.table)]
+        return {k: int(union[:, i].sum()) for i, k in enumerate(KINDS_PRICED)}
 
     def layers_per_stage(self, n_layers: int) -> int:
         """Layers each stage applies per chunk; raises `LayerCountError` if they do not split.
@@ -287,7 +294,12 @@ def make_schedule(stages: int, microbatches: int, schedule: str, repeats: int = 
         stage 1    . F0B0 F1B1 F2B2 F3B3    .
     """
     _check_sizes(stages=stages, microbatches=microbatches, repeats=repeats)
-    p, m, r = stages, microbatches, repeats
+    return _schedule(int(stages), int(microbatches), schedule, int(repeats))
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(p: int, m: int, schedule: str, r: int) -> Schedule:
+    """`make_schedule` of checked sizes, each table built once (a search prices thousands)."""
     if schedule not in SCHEDULES:
         close = difflib.get_close_matches(str(schedule).lower(), SCHEDULES, n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -344,36 +356,6 @@ def _per_stage(x: float | Sequence[float], p: int, name: str) -> list[float]:
     return [float(v) for v in x]
 
 
-def check_layers(n_layers: int, stages: int, repeats: int = 1) -> int:
-    """Layers per stage per repeat, ``n_layers / (stages * repeats)``, or `LayerCountError`.
-
-    Example:
-        >>> check_layers(32, 4, 2)
-        4
-
-    ``check_layers(30, 4)`` raises, naming 28 and 32 as the nearest layer counts and the
-    (stages, repeats) pairs that split 30 layers, such as (3, 1), (5, 1), (3, 2).
-    """
-    _check_sizes(n_layers=n_layers, stages=stages, repeats=repeats)
-    parts = stages * repeats
-    if n_layers % parts == 0:
-        return n_layers // parts
-    below = n_layers // parts * parts
-    below_txt = f"{below} below" if below else f"none below ({parts} is the fewest)"
-    # The 8 pairs nearest what was asked, shown in order; one stage is no pipeline at all.
-    divisors = [d for d in range(1, math.isqrt(n_layers) + 1) if n_layers % d == 0]
-    divisors = sorted({*divisors, *(n_layers // d for d in divisors)})
-    pairs = [(a, b) for a in divisors for b in divisors if n_layers % (a * b) == 0 and a > 1]
-    pairs.sort(key=lambda q: (abs(q[0] - stages) + abs(q[1] - repeats), abs(q[0] - stages)))
-    pairs = sorted(pairs[:8])
-    raise LayerCountError(
-        f"n_layers={n_layers} does not split into stages={stages} x repeats={repeats} = "
-        f"{parts} equal chunks of layers. Nearest valid layer counts: {below_txt}, "
-        f"{below + parts} above. Valid (stages, repeats) for n_layers={n_layers}: "
-        f"{', '.join(map(str, pairs)) or 'none, one layer is no pipeline'}"
-    )
-
-
 def _max_overlap(spans: list[tuple[int, int]]) -> int:
     """Most half-open tick intervals [start, end) covering one tick."""
     events = sorted([(a, 1) for a, b in spans if b > a] + [(b, -1) for a, b in spans if b > a])
@@ -382,19 +364,3 @@ def _max_overlap(spans: list[tuple[int, int]]) -> int:
         now += step
         best = max(best, now)
     return best
-
-
-_SIZE_HINTS = {
-    "n_layers": "n_layers is the depth of the stacked layers",
-    "stages": "stages is the size of the 'stage' mesh axis",
-    "microbatches": "microbatches the micro-batches per step (1 for no micro-batching)",
-    "repeats": "repeats the circular repeats (1 unless schedule='circular')",
-}
-
-
-def _check_sizes(**sizes: Any) -> None:
-    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-    if bad:
-        got = ", ".join(f"{k}={v!r}" for k, v in bad.items())
-        hints = ", ".join(_SIZE_HINTS[k] for k in bad)
-        raise ScheduleSizeError(f"{', '.join(bad)} must be integers >= 1, got {got}; {hints}")

@@ -157,10 +157,11 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
     seq = seq or min(4096, cfg.max_seq_len)
     aot = aot if aot is not None else (2 if tgt.devices <= MAX_AOT_DEVICES else 0)
     have = devices_here(tgt.devices) if aot and tgt.devices <= MAX_AOT_DEVICES else None
-    start = time.perf_counter()
+    start, rejected = time.perf_counter(), []
     ranked = candidates(family, cfg, tgt, batch, seq, strategies=strategies and tuple(strategies),
                         dtype=dtype, optimizer=optimizer, memory_bytes=budget,
-                        attention=kind, accum=pins[0], micro_batch=pins[1])  # fmt: skip
+                        attention=kind, accum=pins[0], micro_batch=pins[1],
+                        rejected=rejected)  # fmt: skip
     elapsed = time.perf_counter() - start
     notes = []
     if aot and tgt.devices > MAX_AOT_DEVICES:
@@ -186,7 +187,8 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
         f"gradients again).",
     ]
     return PlanResult(family.NAME, cfg.name, cfg.n_layers, tgt, budget, batch, seq, dtype,
-                      optimizer, "formula", elapsed, ranked, top, assumptions, notes)  # fmt: skip
+                      optimizer, "formula", elapsed, ranked, top, assumptions, notes,
+                      rejected)  # fmt: skip
 
 
 def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, attention):

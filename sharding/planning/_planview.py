@@ -40,6 +40,15 @@ class PlanResult:
     top: int
     assumptions: list[str]
     notes: list[str] = field(default_factory=list)
+    # Layouts searched and not priced, each ``{"layout", "mesh", "reason"}`` (closed form only).
+    rejected: list[dict] = field(default_factory=list)
+
+    @property
+    def searched(self) -> dict[str, Any]:
+        """What the search looked at: every layout, priced (any remat) or rejected, and why."""
+        priced = {(c.layout.label, c.layout.mesh) for c in self.ranked}
+        return {"layouts": len(priced) + len(self.rejected), "priced": len(priced),
+                "estimates": len(self.ranked), "rejected": self.rejected}  # fmt: skip
 
     @property
     def devices(self) -> int:
@@ -63,6 +72,8 @@ class PlanResult:
             "search_s": self.search_s, "assumptions": self.assumptions + self.notes,
             "candidates": [c.to_dict() for c in self.shown],
             "train_command": self.train_command(),
+            "train_command_even_stages": self._even_command(),
+            "searched": self.searched,
             "checked": [{"rank": i, "label": c.label, "mesh": c.mesh_text, "remat": c.remat,
                          **c.check.to_dict()} for i, c in self.checked],
         }  # fmt: skip
@@ -73,8 +84,8 @@ class PlanResult:
         batch and sequence; None when it does not fit or was priced from a compiled program of
         a model that has no shipped name."""
         c = self.ranked[rank - 1]
-        if not c.fits or self.source != "formula":
-            return None
+        if not c.fits or self.source != "formula" or c.layout.stage_layers:
+            return None  # uneven stages: spmdkit's step needs stages that divide the layers
         lay = c.layout
         # A config read from a Hugging Face config.json is named by its --model hf:PATH.
         model = [self.size] if self.size.startswith("hf:") else [self.model, "--size", self.size]
@@ -87,6 +98,22 @@ class PlanResult:
         return " ".join(
             [*flags, "--accum", str(c.accum), "--remat", c.remat, "--dtype", self.dtype]
         )
+
+    def _even_rank(self) -> int | None:
+        """Rank (from 1) of the best layout whose stages (if any) divide the layers."""
+        return next((i for i, c in enumerate(self.ranked, 1) if not c.layout.stage_layers), None)
+
+    def _even_command(self) -> str | None:
+        even = self._even_rank()
+        return None if even is None else self.train_command(even)
+
+    @property
+    def _searched_text(self) -> str:
+        if not self.rejected:
+            return ""
+        n = self.searched
+        return (f": {n['layouts']} layouts, {n['priced']} priced, {len(self.rejected)} rejected, "
+                f"each with its reason in --json")  # fmt: skip
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -102,7 +129,7 @@ class PlanResult:
             f"devices, {fmt_bytes(self.memory_bytes)} each usable): batch {self.batch}{seq}, "
             f"{self.dtype} (micro-batch: rows per device per forward pass); "
             f"{sum(c.fits for c in shown)} of the top {len(shown)} fit; priced from the "
-            f"{self.source} (searched in {self.search_s:.1f} s)",
+            f"{self.source} (searched in {self.search_s:.1f} s{self._searched_text})",
             title_justify="left",
         )
         for col in ("#", "layout", "mesh", "micro-batch", "accum", "memory/device", "fits",
@@ -125,9 +152,15 @@ class PlanResult:
         parts: list[Any] = [table]
         if self.checked:
             parts.append(self._check_table())
-        run = self.train_command()
         lines = [f"! {w}" for w in warned] + self.assumptions + self.notes
-        parts += [Text(f"run #1: {run}", style="bold")] if run else []
+        even = self._even_rank()
+        if self.ranked[0].layout.stage_layers:
+            lines.insert(0, f"#1 gives its stages uneven layer counts ({self.layers} layers do "
+                            f"not split evenly over them), as Megatron and torchtitan can; "
+                            f"spmdkit train needs stages that divide the layers, so the command "
+                            f"below runs #{even}, the best layout with even stages")  # fmt: skip
+        run = None if even is None else self.train_command(even)
+        parts += [Text(f"run #{even}: {run}", style="bold")] if run else []
         return Group(*parts, *(Text(f"- {line}", style="dim") for line in lines))
 
     def _check_table(self) -> Table:

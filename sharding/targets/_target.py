@@ -15,6 +15,7 @@ the inter-node one as soon as two of its devices sit on different nodes.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import pathlib
@@ -49,6 +50,17 @@ class MalformedTargetError(TargetError):
 
 class TargetSizeError(TargetError):
     """A device count that is zero or does not fit the nodes as written."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _nodes_spanned(shape: tuple[int, ...], inner: tuple[int, ...], per_node: int) -> int:
+    """The most nodes one group over the mesh dimensions ``inner`` spans, devices numbered in
+    row-major order over ``shape`` and ``per_node`` to a node."""
+    outer = [i for i in range(len(shape)) if i not in inner]
+    size = math.prod(shape[i] for i in inner)
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    rows = np.sort(ids.transpose(outer + list(inner)).reshape(-1, size) // per_node, axis=1)
+    return int((np.diff(rows, axis=1) != 0).sum(axis=1).max(initial=0)) + 1
 
 
 class TopologyError(TargetError):
@@ -237,7 +249,6 @@ class Topology:
                 f"mesh {mesh!r} on target {tgt.name} ({tgt.devices} devices): {err}"
             ) from None
         self.sizes: dict[str, int] = spec.sizes
-        self._ids = np.arange(tgt.devices).reshape(tuple(self.sizes.values()))
         self._groups: dict[tuple[str, ...], Group] = {}
 
     def group(self, axes: tuple[str, ...] | list[str] | str) -> Group:
@@ -250,12 +261,9 @@ class Topology:
                 f"{', '.join(AXES)}"
             )
         if axes not in self._groups:
-            inner = [AXES.index(a) for a in AXES if a in axes]
-            outer = [i for i in range(len(AXES)) if i not in inner]
+            inner = tuple(AXES.index(a) for a in AXES if a in axes)
             size = math.prod(self.sizes[AXES[i]] for i in inner)
-            rows = self._ids.transpose(outer + inner).reshape(-1, size) // self.target.per_node
-            rows = np.sort(rows, axis=1)
-            nodes = int((np.diff(rows, axis=1) != 0).sum(axis=1).max(initial=0)) + 1
+            nodes = _nodes_spanned(tuple(self.sizes.values()), inner, self.target.per_node)
             t = self.target
             self._groups[axes] = Group(axes, size, nodes, t.intra_link if nodes == 1 else
                                        t.inter_link)  # fmt: skip
