@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from models import llama
-    from sharding import parse_bytes
+    from sharding import fmt_bytes, parse_bytes
     from sharding.costmodel import candidates
     from sharding.targets import target
 
@@ -71,9 +71,52 @@ def main(argv: list[str] | None = None) -> int:
                       "-" if top is None else f"{top['label']} {mesh}",
                       style=None if r["within_target"] else "red")  # fmt: skip
     Console(width=140).print(table)
-    path = write_json(args.out / "plan_time.json", {"args": vars(args), "results": rows})
+    published = _published(llama)
+    table = Table(title="sharding.costmodel.predict on published layouts (target < 5 s each)")
+    for col in ("layout", "seconds", "memory/device", "collectives/device"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in published:
+        table.add_row(r["layout"], f"{r['seconds']:.2f} s", fmt_bytes(r["memory_bytes"]),
+                      fmt_bytes(r["collective_bytes"]))  # fmt: skip
+    Console(width=140).print(table)
+    path = write_json(args.out / "plan_time.json",
+                      {"args": vars(args), "results": rows, "published": published})  # fmt: skip
     print(f"wrote {path}")
     return 0
+
+
+# Issue 36's published layouts: (name, size, strategy, mesh, batch, seq, pipeline, remat).
+PUBLISHED = (
+    ("405B tp8 x cp16 x pp16 x fsdp8, 128K tokens (Llama 3, 16,384 H100)", "3.1-405b",
+     "fsdp+tp+sp+cp+pp", {"tensor": 8, "context": 16, "stage": 16, "fsdp": 8}, 128, 131072,
+     ("1f1b", 16, 1, "auto"), "full"),
+    ("70B tp4+SP x cp2 x interleaved pp4 v5 x data2", "70b", "tp+sp+cp+pp",
+     {"tensor": 4, "context": 2, "stage": 4, "data": 2}, 32, 8192, ("interleaved", 16, 5), "none"),
+    ("405B fsdp8 x tp8 x pp8 (torchtitan)", "3.1-405b", "fsdp+tp+pp",
+     {"fsdp": 8, "tensor": 8, "stage": 8}, 128, 8192, ("1f1b", 16, 1, "auto"), "full"),
+    ("70 layers on 12 uneven stages", 70, "pp", {"stage": 12, "data": 2}, 48, 4096,
+     ("1f1b", 24, 1, "auto"), "none"),
+    ("70B interleaved pp4 v2 x tp2, remat full", "70b", "pp_tp", {"stage": 4, "tensor": 2}, 16,
+     4096, ("interleaved", 8, 2), "full"),
+)  # fmt: skip
+
+
+def _published(llama) -> list[dict]:
+    import dataclasses
+
+    from sharding.costmodel import predict
+
+    out = []
+    for name, size, strategy, mesh, batch, seq, pipeline, remat in PUBLISHED:
+        cfg = (dataclasses.replace(llama.config("70b"), n_layers=size) if isinstance(size, int)
+               else size)  # fmt: skip
+        start = time.perf_counter()
+        pred = predict(llama, cfg, strategy, mesh, batch, seq, pipeline=pipeline, remat=remat,
+                       dtype="bfloat16")  # fmt: skip
+        out.append({"layout": name, "seconds": time.perf_counter() - start,
+                    "memory_bytes": pred.memory_bytes,
+                    "collective_bytes": pred.collective_bytes()})  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
