@@ -18,6 +18,7 @@ from benchmarks import (
     peer,
     pipeline_schedules,
     plan_time,
+    published_runs,
     scaling,
 )
 from models import llama
@@ -185,7 +186,7 @@ def test_mfu_says_when_no_size_fits(tmp_path):
 
 @pytest.mark.parametrize(
     "bench",
-    [compile_time, mfu, overhead, peer, pipeline_schedules, plan_time, scaling],
+    [compile_time, mfu, overhead, peer, pipeline_schedules, plan_time, published_runs, scaling],
     ids=lambda m: m.__name__.split(".")[-1],
 )
 def test_every_benchmark_answers_help(bench, capsys):

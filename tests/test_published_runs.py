@@ -1,0 +1,46 @@
+"""The measuring stick of the step-time model: `benchmarks.published_runs` prices every published
+run of its data file on the run's exact layout, and only the benchmark reads that file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import published_runs
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_every_published_run_is_priced_or_says_why(tmp_path, capsys):
+    assert published_runs.main(["--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "published_runs.json").read_text())
+    runs = published_runs.load()["run"]
+    assert len(data["rows"]) + len(data["unpriced"]) == len(runs) == 26
+    assert {u["id"] for u in data["unpriced"]} == {"TT1", "TT3"}
+    assert all("no device profile for 'h100-96gb-500w'" in u["reason"] for u in data["unpriced"])
+    for row in data["rows"]:
+        assert row["predicted"] > 0 and row["ratio"] == row["predicted"] / row["published"]
+        assert row["dominant"] in ("compute", "exposed comm", "bubble")
+    errors = sorted(abs(r["ratio"] - 1) for r in data["rows"])
+    stats = data["summary"]
+    assert stats["worst_abs_error"] == errors[-1] and stats["priced"] == 24
+    assert stats["within_15"] == sum(e <= 0.15 for e in errors) / 24
+    assert (tmp_path / "published_runs.png").stat().st_size > 10_000
+    assert "median |error|" in capsys.readouterr().out
+
+
+def test_a_run_is_priced_on_its_own_layout():
+    """NA6: data 32 x tensor 8 x 4 interleaved stages of 3 chunks, 28 micro-batches of 2 rows."""
+    data = published_runs.load()
+    run = next(r for r in data["run"] if r["id"] == "NA6")
+    got = published_runs.price(run, data["models"][run["model"]])
+    assert got["strategy"] == "tp+pp" and got["target"] == "a100:128x8"
+    assert got["mesh"] == {"data": 32, "tensor": 8, "stage": 4}
+    assert published_runs.layout_text(run["layout"]) == "DATA32 TENSOR8 STAGE4 interleaved v3"
+
+
+def test_only_the_benchmark_reads_the_published_runs():
+    library = [
+        p for d in ("sharding", "models", "partition_rules") for p in (ROOT / d).rglob("*.py")
+    ]
+    assert library and not [p for p in library if "published_runs" in p.read_text()]
