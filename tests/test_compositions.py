@@ -25,7 +25,8 @@ from closeness import assert_close
 import models
 from partition_rules import ALIASES, STRATEGIES, CompositionError, composition, strategy
 from partition_rules.strategies import EXAMPLE_MESHES_8
-from sharding import BoundStrategy, Workload, build_program, make_mesh
+from sharding import BoundStrategy, MeshSpec, Workload, build_program, make_mesh
+from sharding.costmodel import predict, work_from_report
 
 SIXTEEN = jax.device_count() == 16
 BATCH, SEQ, LAYERS, MICRO = 8, 32, 4, 2
@@ -175,6 +176,39 @@ def test_on_sixteen_devices_compositions_equal_one_device(strategy_name, mesh, s
     assert_equals_one_device(strategy_name, mesh, schedule, method)
 
 
+# The closed form against the compiled step: every (collective kind, mesh axes) within 2% of the
+# step's bytes, what runs counted (a lane's collectives as often as the lane runs). Not here:
+# all-gather and Ulysses attention inside a pipeline with tensor > 1, whose program gathers the
+# key/value heads over tensor before the context collectives (issue 36's closing note).
+PRICED_SIXTEEN = [c for c in SIXTEEN_CASES if c[3] in (None, "ring")]
+
+
+@pytest.mark.skipif(not SIXTEEN, reason="runs in the 16-device child pytest")
+@pytest.mark.parametrize(("strategy_name", "mesh", "schedule", "method"), PRICED_SIXTEEN,
+                         ids=["-".join(filter(None, c)) for c in PRICED_SIXTEEN])  # fmt: skip
+def test_on_sixteen_devices_the_closed_form_prices_the_compositions(strategy_name, mesh,
+                                                                    schedule, method):  # fmt: skip
+    repeats = 2 if schedule == "interleaved" else 1
+    prog = build_program(workload(), strategy_name, mesh, batch=BATCH, seq=SEQ, schedule=schedule,
+                         microbatches=MICRO, repeats=repeats if repeats > 1 else None,
+                         context_method=method)  # fmt: skip
+    work = work_from_report(prog.report(), tokens=BATCH * SEQ, schedule=prog.schedule,
+                            hlo_text=prog.compiled.as_text())  # fmt: skip
+    pred = predict(models.llama, models.llama.config("tiny"), strategy_name,
+                   MeshSpec.parse(mesh).sizes, BATCH, SEQ, pipeline=(schedule, MICRO, repeats),
+                   context_method=method or "ring")  # fmt: skip
+    got, want = {}, {}
+    for c in work.collectives:
+        key = (c.kind.replace("reduce-scatter", "all-reduce"), c.axes)
+        got[key] = got.get(key, 0) + c.bytes
+    for x in pred.traffic:
+        key = (x.kind.replace("reduce-scatter", "all-reduce"), x.axes)
+        want[key] = want.get(key, 0) + x.bytes
+    total = sum(got.values())
+    for key in set(got) | set(want):
+        assert abs(got.get(key, 0) - want.get(key, 0)) <= 0.02 * total, key
+
+
 @pytest.mark.skipif(not SIXTEEN, reason="runs in the 16-device child pytest")
 def test_on_sixteen_devices_train_follows_dps_loss_curve(tmp_path):
     """`spmdkit train --strategy fsdp+tp+sp+cp+pp ... --devices 16` on llama tiny: the loss
@@ -206,4 +240,5 @@ def test_the_sixteen_device_cases_pass_in_a_child_pytest():
         capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert f"{len(SIXTEEN_CASES) + 1} passed" in proc.stdout, proc.stdout[-2000:]
+    passed = len(SIXTEEN_CASES) + len(PRICED_SIXTEEN) + 1
+    assert f"{passed} passed" in proc.stdout, proc.stdout[-2000:]
