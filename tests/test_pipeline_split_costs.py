@@ -78,7 +78,7 @@ CASES = [
     ("llama", "pp_tp_sp", TP_SP, "1f1b", 1, None, "none"),
     ("llama", "pp_tp_sp", TP_SP, "interleaved", 2, None, "none"),
     # remat, tensor without SP and fsdp inside the lanes (tensor: lanes in lock-step)
-    ("llama", "pp_cp", CP, "1f1b", 1, "ring", "full"),
+    ("llama", "pp_cp", CP, "zb-h1", 1, "ring", "full"),
     ("llama", "pp_tp_sp", TP_SP, "1f1b", 1, None, "dots"),
     ("llama", "pp_tp_sp", TP_SP, "zb-h1", 1, None, "full"),
     ("llama", "pp_tp", TP_SP, "interleaved", 2, None, "full"),

@@ -93,6 +93,20 @@ def test_pipeline_with_a_sequence_split_matches_one_device(family, strategy, mes
     assert_close(grads, ref_grads)
 
 
+def test_zb_h1_splits_a_rematerialised_backward_with_ring_attention():
+    """zb-h1 splits each chunk's backward into B and W by evaluating its jaxpr; with remat full
+    the recomputed forward, inlined, meets values the lane made varying over the manual axes
+    (it once raised jax's ValueError on a pvary). Same numbers as one device."""
+    prog = build_program(workload(), "pp_cp", PP_CP, batch=BATCH, seq=SEQ, schedule="zb-h1",
+                         microbatches=MICRO, context_method="ring", remat="full")  # fmt: skip
+    _, params = one_device("llama")
+    loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings),
+                                      batch("llama"))  # fmt: skip
+    ref_loss, ref_grads = loss_and_grads("llama", "dp", "one device", None)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    assert_close([np.asarray(g) for g in jax.tree.leaves(grads)], ref_grads)
+
+
 def collective_bytes(prog, axes: tuple[str, ...]) -> dict[str, int]:
     got: dict[str, int] = defaultdict(int)
     for op in prog.report().collectives:

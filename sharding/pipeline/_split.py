@@ -141,15 +141,51 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: list, *, inline: bool) ->
     return [_read(env, v) for v in jaxpr.outvars]
 
 
+def _varying(x: Any) -> frozenset:
+    """The manual axes ``x`` varies over (jax 0.10: ``typeof(x).mat.varying``; later: ``vma``)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "mat", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
+
+
+def _already_varying(eqn: Any, invals: list, env: dict) -> bool:
+    """A ``pvary`` whose operands already vary over its axes: a remat body inlined on values the
+    surrounding lane made varying (zb-h1's split backward). The cast is then the identity, and
+    its outputs are its inputs."""
+    axes = set(eqn.params.get("axes", ()))
+    if not all(axes <= _varying(x) for x in invals):
+        return False
+    for v, x in zip(eqn.outvars, invals, strict=True):
+        if not _is_drop(v):
+            env[v] = x
+    return True
+
+
+def _vary_alike(values: list) -> list:
+    """``values`` cast (`lax.pcast(..., to="varying")`, the identity on values) to vary over the same manual
+    axes, the union of theirs: what the original body's own casts did before it was inlined."""
+    arrays = [x for x in values if hasattr(x, "dtype")]
+    union = frozenset().union(*(_varying(x) for x in arrays))
+    return [jax.lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying")
+            if hasattr(x, "dtype") and union - _varying(x) else x for x in values]  # fmt: skip
+
+
 def _run(eqns: list, env: dict) -> None:
     """Evaluate ``eqns`` in order, reading and writing ``env`` (as `jax.core.eval_jaxpr`)."""
     for eqn in eqns:
         invals = [_read(env, v) for v in eqn.invars]
+        if eqn.primitive.name == "pvary" and _already_varying(eqn, invals, env):
+            continue
         params = eqn.primitive.get_bind_params(eqn.params)
         if isinstance(params, tuple):  # older jax: (subfuns, params)
             subfuns, params = params
             invals = [*subfuns, *invals]
-        outs = eqn.primitive.bind(*invals, **params)
+        try:
+            outs = eqn.primitive.bind(*invals, **params)
+        except ValueError as err:  # a remat body inlined on values a lane made varying
+            if "varying manual axes" not in str(err):
+                raise
+            outs = eqn.primitive.bind(*_vary_alike(invals), **params)
         if not eqn.primitive.multiple_results:
             outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):
