@@ -42,6 +42,7 @@ class ContextTraffic(NamedTuple):
     bytes: int
     count: int
     what: str
+    backward: bool = False  # run by the backward pass (its own, or the forward recomputed)
 
 
 def context_traffic(
@@ -94,26 +95,32 @@ def context_traffic(
     rows = batch / batch_shards
     kv = rows * (seq / c) * (kv_heads / split) * head_dim * e
     qb = rows * (seq / c) * (heads / split) * head_dim * e
-    fwd = 2 if remat else 1  # forward runs: once, and again in backward under remat
     out: list[ContextTraffic] = []
 
-    def add(kind: str, nbytes: float, count: int, what: str) -> None:
-        out.append(ContextTraffic(kind, (AXIS,), round(nbytes * layers), count * layers, what))
+    def add(kind: str, nbytes: float, count: int, what: str, backward: bool = False) -> None:
+        out.append(ContextTraffic(kind, (AXIS,), round(nbytes * layers), count * layers, what,
+                                  backward))  # fmt: skip
 
     if method == "allgather":
-        add("all-gather", fwd * 2 * c * kv, fwd * 2, "K and V gathered over context")
-        add("reduce-scatter", 2 * c * kv, 2, "dK and dV scattered back (backward)")
+        add("all-gather", 2 * c * kv, 2, "K and V gathered over context")
+        if remat:
+            add("all-gather", 2 * c * kv, 2, "K and V gathered again (forward recomputed)", True)
+        add("reduce-scatter", 2 * c * kv, 2, "dK and dV scattered back (backward)", True)
     elif method == "ring":
         add("collective-permute", 2 * (c - 1) * kv, 2 * (c - 1),
             "K and V blocks round the ring (forward)")  # fmt: skip
         if remat:  # its first shift is the backward's own first shift: XLA merges the two
             add("collective-permute", 2 * (c - 2) * kv, 2 * (c - 2),
-                "K and V round the ring again (forward recomputed)")  # fmt: skip
+                "K and V round the ring again (forward recomputed)", True)  # fmt: skip
         add("collective-permute", 2 * (c - 1) * kv + 2 * c * kv * ACCUMULATOR_BYTES / e,
-            2 * (c - 1) + 2 * c, "K, V and the dK, dV accumulators round again (backward)")  # fmt: skip
+            2 * (c - 1) + 2 * c, "K, V and the dK, dV accumulators round again (backward)",
+            True)  # fmt: skip
     else:
-        add("all-to-all", fwd * (2 * qb + 2 * kv), fwd * 4, "q, k, v to heads, output back")
-        add("all-to-all", 2 * qb + 2 * kv, 4, "their transposes (backward)")
+        add("all-to-all", 2 * qb + 2 * kv, 4, "q, k, v to heads, output back")
+        if remat:
+            add("all-to-all", 2 * qb + 2 * kv, 4, "q, k, v to heads again (forward recomputed)",
+                True)  # fmt: skip
+        add("all-to-all", 2 * qb + 2 * kv, 4, "their transposes (backward)", True)
     if method in BALANCED and batch_over_context:
         nbytes = seq_arrays * rows * seq * 4
         out.append(ContextTraffic("all-gather", (AXIS,), round(nbytes), seq_arrays,

@@ -180,10 +180,8 @@ def _gradients(out: _Sink, s: Any, act: float) -> None:
             over = (*(() if q.role == "layer" else ("stage",)), *batch_axes)
             out.add("all-reduce", (*over, *(("context",) if c > 1 else ())), g, 1,
                     f"gradient reduction ({q.role}), in one")  # fmt: skip
-            if q.role != "layer" and "fsdp" in q.axes and f > 1:  # gathered whole, once
-                whole = q.size / math.prod(sz[a] for a in q.axes if a != "fsdp")
-                out.add("all-gather", ("fsdp",), whole * s.act_bytes, 1,
-                        f"{q.role} weights, whole for the lanes")  # fmt: skip
+            if q.role != "layer" and f > 1:  # gathered whole once, for the lanes
+                _fsdp_gather(out, s, q, 1, f"{q.role} weights, whole for the lanes")
         return
     for q in s.params:
         if q.role == "table":
@@ -218,10 +216,10 @@ def _stage_lookup(out: _Sink, s: Any, q: Param, act: float, batch_axes, grad: fl
 
 
 def _explicit_tensor(out: _Sink, s: Any, act: float) -> None:
-    """Tensor parallelism (with or without Megatron SP) under an explicit schedule: every tick
-    runs a chunk's forward and backward lanes (bubble lanes included), the lookup on the first
-    stage and the head on the last, each on one micro-batch (measured, 1f1b, zb-h1,
-    interleaved)."""
+    """Tensor parallelism (with or without Megatron SP) under an explicit schedule: a layer's
+    reductions run with the lane that holds them (`lane_runs`: row-parallel outputs and the
+    lookup with the F lanes, input gradients and recomputed outputs with the B lanes), the
+    head's once per micro-batch, each on one micro-batch (measured, 1f1b, zb-h1, interleaved)."""
     sz, sched = s.sizes, s.schedule
     if sz.get("tensor", 1) == 1:
         return
@@ -352,8 +350,8 @@ def _kernels(out: _Sink, s: Any) -> None:
                                 tensor=sz.get("tensor", 1), batch_shards=shards,
                                 dtype="float32" if s.act_bytes == 4 else "bfloat16",
                                 remat=s.remat != "none", batch_over_context=False)  # fmt: skip
-        for x in terms:  # the backward's own terms run in the B lanes, the rest in the F lanes
-            n = bwd if "backward" in x.what or "recomputed" in x.what else fwd
+        for x in terms:  # the backward's terms run with the B lanes, the rest with the F lanes
+            n = bwd if x.backward else fwd
             out.add(x.kind, x.axes, n * x.bytes, n * x.count, x.what)
 
 

@@ -237,10 +237,9 @@ def setup(
                 f"{e}; or give the stages uneven layer counts: pipeline=({args[0]!r}, "
                 f"{args[1]}, {args[2]}, 'auto') or a PipelineSpec with stage_layers"
             ) from None
-    return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype],
-                 list(_placed(family, cfg, strategy, tuple(sizes.items()))), schedule, remat,
-                 context_method,
-                 check_kind(attention), uneven, layers)  # fmt: skip
+    params = list(_placed(family, cfg, strategy, tuple(sizes.items())))
+    return Setup(name, cfg, strategy, sizes, batch, seq, DTYPE_BYTES[dtype], params, schedule,
+                 remat, context_method, check_kind(attention), uneven, layers)  # fmt: skip
 
 
 __all__ = ["DTYPE_BYTES", "LM_FAMILIES", "CostModelError", "Setup", "setup"]

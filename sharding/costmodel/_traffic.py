@@ -231,7 +231,7 @@ def traffic(s: Any) -> list[Traffic]:
                                  batch_shards=math.prod(sz[a] for a in BATCH_AXES),
                                  dtype="float32" if s.act_bytes == 4 else "bfloat16",
                                  remat=s.remat != "none"):  # fmt: skip
-            out.add(*x)
+            out.add(x.kind, x.axes, x.bytes, x.count, x.what)
     return list(out)
 
 
@@ -246,11 +246,16 @@ def head_side_gathers(out: _Sink, s: Any, q: Param) -> None:
         _fsdp_gather(out, s, q, 2, "final norm")
 
 
+def whole_over_fsdp(s: Any, q: Param) -> float:
+    """Elements of ``q`` one device holds once gathered whole over fsdp (still split over its
+    other axes)."""
+    return q.size / math.prod(s.sizes[a] for a in q.axes if a != "fsdp")
+
+
 def _fsdp_gather(out: _Sink, s: Any, q: Param, times: int, what: str, rows_used=None) -> None:
     if "fsdp" not in q.axes:
         return
-    other = math.prod(s.sizes[a] for a in q.axes if a != "fsdp")
-    nbytes = q.size / other * s.act_bytes * (rows_used / q.shape[0] if rows_used else 1)
+    nbytes = whole_over_fsdp(s, q) * s.act_bytes * (rows_used / q.shape[0] if rows_used else 1)
     out.add("all-gather", ("fsdp",), times * nbytes, times, what)
 
 
@@ -302,7 +307,7 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
         remat = s.remat == "full"  # a backward recomputes a forward only under remat full
 
     def gathered(q: Param) -> float:  # elements of q one device holds once gathered over fsdp
-        return q.size / math.prod(sz[x] for x in q.axes if x != "fsdp") if "fsdp" in q.axes else 0
+        return whole_over_fsdp(s, q) if "fsdp" in q.axes else 0
 
     layer_gathered = sum(gathered(q) for q in s.params if q.role == "layer")
     if layer_gathered and sz.get("fsdp", 1) > 1 and sched is not None:
@@ -338,7 +343,7 @@ def stage_gather(out: _Sink, s: Any) -> None:
     sz = s.sizes
     fsdp = [q for q in s.params if q.role == "layer" and "fsdp" in q.axes]
     if fsdp and sz.get("fsdp", 1) > 1:
-        held = sum(q.size / math.prod(sz[x] for x in q.axes if x != "fsdp") for q in fsdp)
+        held = sum(whole_over_fsdp(s, q) for q in fsdp)
         out.add("all-gather", ("fsdp",), held * s.act_bytes, len(fsdp),
                 "stage weights, once per step")  # fmt: skip
 
@@ -369,7 +374,6 @@ def chunk_regroup(out: _Sink, s: Any) -> None:
         if s.sizes.get("fsdp", 1) > 1:
             # The stages regroup their weights once gathered whole over fsdp, in the compute
             # dtype (`stage_gather`), and their gradients before the reduction.
-            nbytes = sum(q.size / math.prod(s.sizes[a] for a in q.axes if a != "fsdp")
-                         for q in layer) * s.act_bytes  # fmt: skip
+            nbytes = sum(whole_over_fsdp(s, q) for q in layer) * s.act_bytes
         out.add("all-to-all", ("stage",), 2 * nbytes, 2 * len(layer),
                 "layer weights to chunks, their gradients back")  # fmt: skip

@@ -294,7 +294,8 @@ def make_schedule(stages: int, microbatches: int, schedule: str, repeats: int = 
         stage 1    . F0B0 F1B1 F2B2 F3B3    .
     """
     _check_sizes(stages=stages, microbatches=microbatches, repeats=repeats)
-    return _schedule(int(stages), int(microbatches), schedule, int(repeats))
+    build = _schedule if isinstance(schedule, str) else _schedule.__wrapped__  # refused there
+    return build(int(stages), int(microbatches), schedule, int(repeats))
 
 
 @functools.lru_cache(maxsize=256)

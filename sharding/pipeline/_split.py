@@ -162,8 +162,9 @@ def _already_varying(eqn: Any, invals: list, env: dict) -> bool:
 
 
 def _vary_alike(values: list) -> list:
-    """``values`` cast (`lax.pcast(..., to="varying")`, the identity on values) to vary over the same manual
-    axes, the union of theirs: what the original body's own casts did before it was inlined."""
+    """``values`` cast to vary over the same manual axes, the union of theirs
+    (`lax.pcast(..., to="varying")`, the identity on values): what the original body's own
+    casts did before it was inlined."""
     arrays = [x for x in values if hasattr(x, "dtype")]
     union = frozenset().union(*(_varying(x) for x in arrays))
     return [jax.lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying")

@@ -45,8 +45,10 @@ class PlanResult:
 
     @property
     def searched(self) -> dict[str, Any]:
-        """What the search looked at: every layout, priced (any remat) or rejected, and why."""
-        priced = {(c.layout.label, c.layout.mesh) for c in self.ranked}
+        """What the search looked at: every layout, priced (at some remat and accumulation; a
+        pipeline's micro-batches follow its accumulation) or rejected, and why."""
+        priced = {(c.layout.strategy, c.layout.mesh, c.layout.schedule, c.layout.repeats)
+                  for c in self.ranked}  # fmt: skip
         return {"layouts": len(priced) + len(self.rejected), "priced": len(priced),
                 "estimates": len(self.ranked), "rejected": self.rejected}  # fmt: skip
 
@@ -154,12 +156,13 @@ class PlanResult:
             parts.append(self._check_table())
         lines = [f"! {w}" for w in warned] + self.assumptions + self.notes
         even = self._even_rank()
+        run = self._even_command()
         if self.ranked[0].layout.stage_layers:
+            below = (f"the command below runs #{even}, the best layout with even stages" if run
+                     else "no layout with even stages fits")  # fmt: skip
             lines.insert(0, f"#1 gives its stages uneven layer counts ({self.layers} layers do "
                             f"not split evenly over them), as Megatron and torchtitan can; "
-                            f"spmdkit train needs stages that divide the layers, so the command "
-                            f"below runs #{even}, the best layout with even stages")  # fmt: skip
-        run = None if even is None else self.train_command(even)
+                            f"spmdkit train needs stages that divide the layers: {below}")  # fmt: skip
         parts += [Text(f"run #{even}: {run}", style="bold")] if run else []
         return Group(*parts, *(Text(f"- {line}", style="dim") for line in lines))
 
