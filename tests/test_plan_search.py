@@ -68,6 +68,16 @@ def test_the_every_split_composition_is_searched_at_long_sequences():
     assert not any(c.layout.strategy == "fsdp+tp+sp+cp+pp" for c in short)
 
 
+def test_pipeline_meshes_the_batch_cannot_fill_are_listed():
+    rejected = []
+    layouts(16, 4, strategies="pp", search=True, batch=12, rejected=rejected)
+    reasons = {r["mesh"]: r["reason"] for r in rejected}
+    assert reasons["stage=2,data=8"] == (
+        "the global batch 12 does not split over data x fsdp x expert = 8")  # fmt: skip
+    assert reasons["stage=4,data=4"] == ("the batch's 3 rows per data x fsdp x expert shard do "
+                                         "not split into at least stage=4 micro-batches")  # fmt: skip
+
+
 def test_any_composition_can_be_named():
     assert strategy_names("dp,cp+pp,fsdp+tp+sp+cp+pp") == ["dp", "pp_cp", "fsdp+tp+sp+cp+pp"]
     # compare's shape for a composition without a table entry: 2 on every axis it splits

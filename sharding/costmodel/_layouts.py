@@ -308,9 +308,11 @@ def _no_pipeline(sizes: dict[str, int], n_layers: int, batch: int | None) -> str
     p = sizes["stage"]
     if n_layers < p:
         return f"{n_layers} layers on stage={p}: every stage needs a layer"
-    rows = None if batch is None else batch // math.prod(sizes[a] for a in BATCH_AXES)
-    return (f"the batch's {rows} rows per data x fsdp x expert shard do not split into at least "
-            f"stage={p} micro-batches")  # fmt: skip
+    shards = math.prod(sizes[a] for a in BATCH_AXES)
+    if batch is None or batch % shards:
+        return f"the global batch {batch} does not split over data x fsdp x expert = {shards}"
+    return (f"the batch's {batch // shards} rows per data x fsdp x expert shard do not split "
+            f"into at least stage={p} micro-batches")  # fmt: skip
 
 
 def _searched_pipelines(
