@@ -90,9 +90,12 @@ def price(run: dict[str, Any], arch: dict[str, Any]) -> dict[str, Any]:
     tgt = target(f"{run['device']}:{run['gpus'] // 8}x8")
     pred = predict(family, cfg, strategy, mesh, run["gbs"], run["seq"], pipeline=pipeline,
                    dtype="bfloat16", remat=REMAT[run["recompute"]],
-                   accum=1 if pipeline else passes)  # fmt: skip
+                   accum=1 if pipeline else passes,
+                   attention=run.get("attention", "auto"))  # fmt: skip
     useful = predict(family, cfg, "dp", {}, run["gbs"], run["seq"], dtype="bfloat16")
-    st = step_time(work_from_prediction(pred, model_flops=useful.matmul_flops), tgt)
+    work = work_from_prediction(pred, model_flops=useful.matmul_flops)
+    work.tensor_overlap = run.get("tp_comm_overlap", False)
+    st = step_time(work, tgt)
     terms = {"compute": st.compute_s, "exposed comm": st.exposed_comm_s, "bubble": st.bubble_s}
     return {
         "strategy": strategy, "mesh": mesh, "target": tgt.name, "step_s": st.step_s,

@@ -84,7 +84,8 @@ def test_intra_and_inter_node_groups_on_two_nodes():
     assert (data.group, data.link, data.inside_node, data.factor) == (2, "InfiniBand", False, 1.0)
     assert data.time_s == pytest.approx(1e9 / IB + OP + 2 * 5e-6)
     assert st.warnings == []
-    # tensor=2,data=8: the tensor pairs stay on NVLink, the data ring of 8 crosses InfiniBand.
+    # tensor=2,data=8: the tensor pairs stay on NVLink, the data ring of 8 crosses InfiniBand
+    # with 4 of its devices on each node: its rings leave a node over 4 NICs (rails).
     st = _price({"tensor": 2, "data": 8},
                 CollectiveWork("all-reduce", ("tensor",), 8e8, 1),
                 CollectiveWork("all-reduce", ("data",), 1e9, 1))  # fmt: skip
@@ -92,11 +93,12 @@ def test_intra_and_inter_node_groups_on_two_nodes():
     assert (tensor.link, tensor.factor) == ("NVLink", 1.0)  # 2(n-1)/n at n = 2
     assert tensor.time_s == pytest.approx(8e8 / NVLINK + OP + 2 * HOP)
     assert (data.link, data.factor, data.group) == ("InfiniBand", 1.75, 8)
-    assert data.time_s == pytest.approx(1.75 * 1e9 / IB + OP + 14 * 5e-6)
-    # tensor across nodes: priced at InfiniBand and flagged.
+    assert data.time_s == pytest.approx(1.75 * 1e9 / (4 * IB) + OP + 14 * 5e-6)
+    # tensor across nodes: priced at InfiniBand (8 rails: 400 GB/s, under NVLink's 450) and
+    # flagged.
     st = _price({"tensor": 16}, CollectiveWork("all-gather", ("tensor",), 1.6e9, 1))
     assert st.collectives[0].link == "InfiniBand"
-    assert st.collectives[0].time_s == pytest.approx(15 / 16 * 1.6e9 / IB + OP + 15 * 5e-6)
+    assert st.collectives[0].time_s == pytest.approx(15 / 16 * 1.6e9 / (8 * IB) + OP + 15 * 5e-6)
     assert st.warnings[0].startswith("tensor=16 spans 2 nodes")
 
 

@@ -109,6 +109,7 @@ def accumulated(micro: Any, k: int) -> Any:
         batch_bytes=micro.batch_bytes * k,
         matmul_flops=micro.matmul_flops * k,
         critical_flops=micro.critical_flops * k,
+        elementwise_bytes=micro.elementwise_bytes * k,
     )
 
 

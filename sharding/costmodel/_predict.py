@@ -28,6 +28,7 @@ from sharding._mesh import mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel import _lanes
 from sharding.costmodel._batching import accumulated, rows_per_pass
+from sharding.costmodel._elementwise import elementwise_bytes
 from sharding.costmodel._pipesplits import split_pipeline_traffic, splits_inside_stages
 from sharding.costmodel._setup import LM_FAMILIES, CostModelError, Setup, setup
 from sharding.costmodel._traffic import Traffic, traffic
@@ -77,6 +78,7 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     attention: str = "auto"
     accum: int = 1  # micro-steps per step (gradient accumulation), each of batch / accum
+    elementwise_bytes: float = 0.0  # HBM bytes of the non-matmul work per device per step
 
     @property
     def micro_batch(self) -> int:
@@ -357,6 +359,7 @@ def predict(
         bubble_fraction=0.0 if sched is None else sched.bubble_fraction,
         notes=notes,
         attention=attention,
+        elementwise_bytes=elementwise_bytes(s, rows),
     )
 
 

@@ -7,13 +7,18 @@ it, in `sharding.costmodel._stepwork`. `step_time` prices it on a `sharding.targ
 compute, exposed communication and bubble seconds, throughput, MFU, memory against HBM, one row
 per collective, and every assumption as a sentence.
 
-Compute is matmul FLOPs at a fraction of the dense peak plus memory-bound bytes at a fraction of
-the HBM bandwidth. Collectives are rings: all-reduce sends 2(n-1)/n of its operand, all-gather
+Compute is matmul FLOPs at a fraction of the dense peak plus memory-bound bytes (the optimizer
+update, and the non-matmul operations' traffic, `sharding.costmodel._elementwise`) at a fraction
+of the HBM bandwidth. Collectives are rings: all-reduce sends 2(n-1)/n of its operand, all-gather
 (n-1)/n of its gathered output, reduce-scatter and all-to-all (n-1)/n of their operand,
 collective-permute its operand once (the `CollectiveOp.bytes` convention, which predictions
-share), at the slowest link the group crosses (`Topology.group`), plus one link latency per ring
-step: 2(n-1) for all-reduce, n-1 for the other rings, 1 for a permute. Data/fsdp gradient
-reductions and weight gathers hide behind compute up to `OVERLAP` of it; the rest is exposed.
+share), at what the group sustains (`Topology.group`: the intra-node link, or across nodes the
+rails, k NICs for its k devices on each node), plus one link latency per ring step: 2(n-1) for
+all-reduce, n-1 for the other rings, 1 for a permute. Data/fsdp gradient reductions and weight
+gathers hide behind compute up to `OVERLAP` of it; tensor-parallel collectives too where the
+program overlaps them (`StepWork.tensor_overlap`); the rest is exposed. Gradient accumulation's
+reductions run once per step where the target's XLA moves them out of the micro-step loop
+(`sharding.targets.PLATFORMS`), else once per micro-step as the program shows.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from sharding._mesh import AXES, mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._predict import CostModelError
 from sharding.inspection import overlap_options
-from sharding.targets import Target, target
+from sharding.targets import PLATFORMS, Target, target
 
 # Share of the compute window that hides overlappable collectives: the first layer's gather and
 # the last layer's reduction have nothing to hide behind, and XLA's latency-hiding scheduler is
@@ -40,6 +45,12 @@ BACKWARD_SHARE = {"none": 2 / 3, "dots": 2 / 3, "full": 3 / 4}  # of the matmul 
 _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
          "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
          "collective-permute": lambda n: 1}  # fmt: skip
+
+
+def _accumulated(c: CollectiveWork) -> bool:
+    """A gradient reduction over data/fsdp: summed into the accumulation buffer each micro-step."""
+    return (c.axes is not None and set(c.axes) <= OVERLAP_AXES
+            and c.kind in ("all-reduce", "reduce-scatter"))  # fmt: skip
 
 
 class StepTimeError(CostModelError):
@@ -81,6 +92,10 @@ class StepWork:
     part of it spent in the bubble (ticks on zeros, or waiting for the slowest stage);
     ``tokens`` (or samples, ``unit``) and ``model_flops`` are per step over all devices;
     ``notes`` are the adapter's assumptions and ``pipeline`` the per-tick FLOPs it read.
+    ``accum`` is the micro-steps per step (gradient accumulation) whose gradient reductions the
+    collectives count once each; ``tensor_overlap`` says the program overlaps its
+    tensor-parallel collectives with the matmuls they feed (collective matmuls, Megatron's
+    ``--tp-comm-overlap``), which spmdkit's programs do not.
     """
 
     mesh: dict[str, int]
@@ -99,6 +114,8 @@ class StepWork:
     source: str = "given"
     notes: list[str] = field(default_factory=list)
     pipeline: dict[str, Any] | None = None
+    accum: int = 1
+    tensor_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,15 +184,16 @@ class StepTime:
         return data
 
 
-def _overlap_rule(c: CollectiveWork, pipelined: bool) -> str:
-    """The overlap rule a collective falls under: "gather", "grad", or "exposed: why"."""
+def _overlap_rule(c: CollectiveWork, pipelined: bool, tensor_overlap: bool = False) -> str:
+    """The overlap rule a collective falls under: "gather", "grad", "tensor" (a program that
+    overlaps them), or "exposed: why"."""
     axes = set(c.axes or ())
     if c.axes is None:
         return "exposed: axes unknown"
     if c.kind == "collective-permute":
         return "exposed: pipeline transfer between ticks"
     if "tensor" in axes:
-        return "exposed: tensor-parallel, inside the layers"
+        return "tensor" if tensor_overlap else "exposed: tensor-parallel, inside the layers"
     if axes <= OVERLAP_AXES and c.kind == "all-gather":
         return "gather"
     if axes <= OVERLAP_AXES and c.kind in ("all-reduce", "reduce-scatter"):
@@ -219,9 +237,13 @@ def step_time(
     matmul_s, bubble_s = (work.matmul_flops - work.bubble_flops) / rate, work.bubble_flops / rate
     memory_s = work.memory_bound_bytes / (d.hbm_bw * d.hbm_fraction)
     rows, by_rule = [], defaultdict(float)
+    sinks = work.accum > 1 and PLATFORMS[d.platform]["sinks_accumulated_reductions"]
     for c in work.collectives:
         g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
-        factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined)
+        factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined, work.tensor_overlap)
+        if sinks and _accumulated(c):
+            c = CollectiveWork(c.kind, c.axes, c.bytes / work.accum,
+                               max(1, c.count // work.accum), c.what)  # fmt: skip
         bw_s = factor * c.bytes / (g.link.bandwidth * d.link_fraction)
         lat_s = c.count * (d.op_latency + ring_hops(c.kind, g.size) * g.link.latency)
         by_rule[rule] += bw_s + lat_s
@@ -229,6 +251,9 @@ def step_time(
     backward = BACKWARD_SHARE.get(work.remat, 2 / 3)
     hidden = {"grad": min(by_rule["grad"], overlap * backward * matmul_s)}
     hidden["gather"] = min(by_rule["gather"], overlap * matmul_s - hidden["grad"])
+    # Collective matmuls split each matmul into chunks and send one while the next multiplies,
+    # over the tensor group's own links: hidden up to the same share of the matmul time.
+    hidden["tensor"] = min(by_rule["tensor"], overlap * matmul_s)
     collectives = []
     for c, g, factor, bw_s, lat_s, rule in rows:
         seconds = bw_s + lat_s
@@ -263,19 +288,22 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"({peak / 1e12:g} TFLOP/s): {peak * d.matmul_fraction / 1e12:.4g} TFLOP/s per device, "
         f"for {fmt_count(work.matmul_flops)} FLOPs per device per step ({work.source}).",
         f"Memory-bound work moves {fmt_bytes(work.memory_bound_bytes)} per device at "
-        f"{d.hbm_fraction:.0%} of {d.hbm_bw / 1e9:g} GB/s HBM; other elementwise work is "
-        f"charged at the matmul rate through the matmul fraction.",
+        f"{d.hbm_fraction:.0%} of {d.hbm_bw / 1e9:g} GB/s HBM (what it is: the adapter's note "
+        f"below).",
         f"Collectives run as rings at {d.link_fraction:.0%} of the link bandwidth: all-reduce "
         f"sends 2(n-1)/n of its bytes, all-gather (n-1)/n of its gathered output, reduce-scatter "
         f"and all-to-all (n-1)/n of their operand, collective-permute its operand once; each op "
         f"starts at {d.op_latency * 1e6:g} us and each ring step waits one hop ({d.intra_latency * 1e6:g} us over {d.intra_link}, "
-        f"{d.inter_latency * 1e6:g} us over {d.inter_link}); a group spanning nodes runs at "
-        f"the {d.inter_link} bandwidth (no hierarchical algorithm).",
+        f"{d.inter_latency * 1e6:g} us over {d.inter_link}); a group spanning nodes with k "
+        f"devices on each runs its rings over k rails: min({d.intra_link} "
+        f"{d.intra_bw / 1e9:g}, k x {d.inter_bw / 1e9:g} GB/s {d.inter_link}) per device.",
         f"Overlap: gradient reductions over data/fsdp hide behind the backward ({backward:.0%} "
         f"of the matmul time, remat {work.remat}) up to {overlap:.0%} of it; fsdp/data weight "
         f"all-gathers are prefetched behind what the reductions leave of {overlap:.0%} of the "
-        f"matmul time; tensor-parallel collectives (inside each layer) and pipeline permutes are "
-        f"exposed" + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
+        f"matmul time; " + ("tensor-parallel collectives overlap the matmuls they feed "
+        f"(collective matmuls) up to {overlap:.0%} of the matmul time; pipeline permutes are "
+        f"exposed" if work.tensor_overlap else "tensor-parallel collectives (inside each layer) "
+        "and pipeline permutes are exposed") + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
                       "exposed." if work.schedule else ".")
         + " On a GPU this overlap needs XLA's latency-hiding scheduler and pipelined "
           "collectives: spmdkit gives every GPU compile "
@@ -284,6 +312,12 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"Fits if the per-device memory is at most {memory_fraction:.0%} of HBM "
         f"({fmt_bytes(budget)}); the rest is the runtime, workspaces and fragmentation.",
     ]  # fmt: skip
+    if work.accum > 1:
+        sinks = PLATFORMS[d.platform]["sinks_accumulated_reductions"]
+        out.append(f"{work.accum} micro-steps per step: " + (
+            f"XLA for {d.platform} moves the gradient reductions out of the accumulation loop "
+            f"(WhileLoopAllReduceCodeMotion), so they run once per step." if sinks else
+            "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
     if work.schedule:
         out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "
                    f"{fmt_count(work.bubble_flops)} FLOPs of the critical path are bubble, shown "

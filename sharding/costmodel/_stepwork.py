@@ -209,6 +209,7 @@ def work_from_report(
     remat: str = "none",
     memory_bound_bytes: float | None = None,
     stage_layers: Sequence[int] | None = None,
+    accum: int = 1,
 ) -> StepWork:
     """The `StepWork` of a compiled step: FLOPs, collectives and memory read from the program.
 
@@ -227,6 +228,9 @@ def work_from_report(
             once (2 x the argument bytes).
         stage_layers: ``program.pipeline.stage_layers`` of balanced stages (an explicit
             schedule's stage runs its own count of its ``max(stage_layers)`` layer slots).
+        accum: the step's micro-steps (``accum_steps``): its gradient reductions, which the
+            program runs once per micro-step, run once per step where the target's compiler
+            moves them out of the loop (`sharding.targets.PLATFORMS`).
 
     Example:
         >>> program = build_program(llama, "dp", "data=8", batch=16, seq=32)  # doctest: +SKIP
@@ -253,7 +257,7 @@ def work_from_report(
             op.kind, op.axes, op.bytes * op.multiplicity, op.multiplicity, "")),
         tokens=tokens, dtype=dtype, unit=unit, memory_bound_bytes=memory_bound_bytes,
         remat=remat, model_flops=model_flops, source="compiled program",
-        memory_bytes=None if mem is None else mem.native, notes=notes)  # fmt: skip
+        memory_bytes=None if mem is None else mem.native, notes=notes, accum=accum)  # fmt: skip
     if schedule is None:
         return work
     work.schedule, work.bubble_fraction = schedule.name, schedule.bubble_fraction
@@ -311,16 +315,18 @@ def work_from_prediction(
     notes = ["FLOPs, collectives and memory from the closed-form prediction (no compile); "
              "collectives of one purpose count as one combined execution."]  # fmt: skip
     if memory_bound_bytes is None:
-        memory_bound_bytes = 2.0 * pred.argument_bytes
-        notes.append("Memory-bound bytes: the optimizer update reads and writes the train state "
-                     "once (2 x the predicted argument bytes).")  # fmt: skip
+        memory_bound_bytes = 2.0 * pred.argument_bytes + pred.elementwise_bytes
+        notes.append(f"Memory-bound bytes: the optimizer update reads and writes the train state "
+                     f"once (2 x the predicted argument bytes), and the non-matmul work (norms, "
+                     f"residuals, activations, softmax, loss) moves "
+                     f"{fmt_bytes(pred.elementwise_bytes)} (sharding.costmodel._elementwise).")  # fmt: skip
     work = StepWork(
         mesh=dict(pred.mesh), matmul_flops=float(pred.critical_flops),
         collectives=_collectives_of(pred.traffic, lambda x: (
             x.kind, tuple(x.axes), x.bytes, x.count, x.what)),
         tokens=pred.batch * pred.seq, dtype=pred.dtype, memory_bound_bytes=memory_bound_bytes,
         remat=pred.remat, model_flops=model_flops, memory_bytes=pred.memory_bytes,
-        source="closed-form prediction", notes=notes)  # fmt: skip
+        source="closed-form prediction", notes=notes, accum=pred.accum)  # fmt: skip
     if pred.pipeline is None:
         return work
     pipe = pred.pipeline

@@ -15,6 +15,7 @@ Example:
 
 from sharding.targets._devices import (
     ALIASES,
+    PLATFORMS,
     PROFILES,
     DeviceSpec,
     TargetError,
@@ -37,6 +38,7 @@ from sharding.targets._target import (
 __all__ = [
     "ALIASES",
     "FORMS",
+    "PLATFORMS",
     "PROFILES",
     "DeviceSpec",
     "Group",

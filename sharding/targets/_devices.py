@@ -21,9 +21,10 @@ from sharding.inspection import device_peak
 
 # Defaults of the achievable fractions (every one is printed with the step times it produces).
 # Matmuls: large bf16 GEMMs of transformer shapes sustain 65-75% of the dense peak on H100 and
-# TPU v5p (clocks drop under power limits), and attention and unfused elementwise work, charged
-# at the matmul rate here, pull a training step's average lower: MaxText and torchtitan report
-# 40-60% MFU for Llama-class models, the rest being communication and bubbles, priced apart.
+# TPU v5p (clocks drop under power limits); smaller per-device shapes, attention's kernels (priced
+# at this rate too) and kernel launches pull a step's average lower: MaxText and torchtitan report
+# 40-60% MFU for Llama-class models, the rest being communication, bubbles and the non-matmul
+# operations' memory traffic, priced apart.
 MATMUL_FRACTION = 0.6
 # HBM: streaming kernels (copies, optimizer updates) reach 80-90% of the datasheet bandwidth.
 HBM_FRACTION = 0.8
@@ -32,6 +33,18 @@ HBM_FRACTION = 0.8
 LINK_FRACTION = 0.8
 
 GIB = 2**30
+# What XLA's compiler for each platform does to a step that the step-time model prices.
+# "sinks_accumulated_reductions": the collective-optimisation pipeline runs
+# WhileLoopAllReduceCodeMotion after SPMD partitioning (xla/service/gpu/gpu_compiler.cc), which
+# moves an all-reduce whose result is only added into a loop-carried buffer out of the loop, and
+# a reduce-scatter too under xla_gpu_enable_while_loop_reduce_scatter_code_motion (spmdkit sets
+# it, `sharding.inspection.GPU_OVERLAP_OPTIONS`): gradient accumulation's reductions run once per
+# step. XLA:CPU does not (measured: dp's all-reduce k-fold over k micro-steps), nor is it
+# documented for TPU, which keeps the count the program shows.
+PLATFORMS: dict[str, dict[str, bool]] = {
+    "gpu": {"sinks_accumulated_reductions": True},
+    "tpu": {"sinks_accumulated_reductions": False},
+}
 
 
 class TargetError(SpmdkitError):
@@ -72,6 +85,7 @@ class DeviceSpec:
     link_fraction: float = LINK_FRACTION
     source: str = ""
     op_latency: float = 0.0  # seconds every collective op costs before its first hop
+    platform: str = "gpu"  # whose XLA compiles for it: "gpu" or "tpu" (see `PLATFORMS`)
 
     def __post_init__(self) -> None:
         _check_values(self.name, {f.name: getattr(self, f.name) for f in fields(self)})
@@ -121,6 +135,10 @@ def _check_values(name: str, values: dict[str, Any]) -> None:
     """
     bad = []
     for key, value in values.items():
+        if key == "platform":
+            if value not in PLATFORMS:
+                bad.append(f"{key}={value!r} (one of {', '.join(map(repr, PLATFORMS))})")
+            continue
         if key in ("name", "source") or key.endswith("link"):
             if not isinstance(value, str):
                 bad.append(f"{key}={value!r} (a string)")
@@ -177,6 +195,7 @@ def _tpu(name: str, kind: str, **figures: Any) -> DeviceSpec:
         peak_f32=peak,
         intra_link="ICI",
         inter_link="DCN",
+        platform="tpu",
         op_latency=2e-6,  # an XLA collective on ICI: a few microseconds to start (order of)
         intra_latency=1e-6,  # a neighbour hop on the torus: order of a microsecond
         inter_latency=10e-6,  # host NICs and the data-centre fabric: tens of microseconds
@@ -261,6 +280,7 @@ _TOML: dict[str, tuple[Any, Any]] = {
     "matmul_fraction": (lambda v: ("matmul_fraction", v), lambda s: s.matmul_fraction),
     "hbm_fraction": (lambda v: ("hbm_fraction", v), lambda s: s.hbm_fraction),
     "link_fraction": (lambda v: ("link_fraction", v), lambda s: s.link_fraction),
+    "platform": (lambda v: ("platform", v), lambda s: s.platform),
 }  # fmt: skip
 _REQUIRED = ("peak_tflops_bf16", "peak_tflops_f32", "hbm_gib", "hbm_gb_per_s",
              "devices_per_node", "intra_node_gb_per_s", "intra_node_latency_us",
@@ -301,6 +321,7 @@ def load_profile(path: str | pathlib.Path) -> DeviceSpec:
         matmul_fraction = 0.6         # achievable fraction of the peak; default 0.6
         hbm_fraction = 0.8            # achievable fraction of the HBM bandwidth; default 0.8
         link_fraction = 0.8           # achievable fraction of a link's bandwidth; default 0.8
+        platform = "gpu"              # whose XLA compiles for it: "gpu" or "tpu"; default "gpu"
 
     Raises:
         TargetProfileError: the file is missing or not TOML, a required key is missing, a key
@@ -350,6 +371,7 @@ def _example(keys: list[str]) -> list[tuple[str, Any]]:
 
 __all__ = [
     "ALIASES",
+    "PLATFORMS",
     "PROFILES",
     "DeviceSpec",
     "TargetError",

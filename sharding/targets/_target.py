@@ -8,8 +8,11 @@ on one node, refused if they do not fit one), ``NAME:NODESxPER`` and ``path/to/p
 `Topology` lays a mesh on the target's nodes the way `sharding.make_mesh` orders devices: device
 ids row-major over ``AXES`` (stage, data, fsdp, expert, context, tensor; tensor innermost), node k holding ids
 ``k * per_node ... (k + 1) * per_node - 1``. A collective over a set of axes runs in groups of
-devices that differ only along those axes; a group is priced at the slowest link it crosses,
-the inter-node one as soon as two of its devices sit on different nodes.
+devices that differ only along those axes. A group inside one node runs at the intra-node link;
+a group that spans nodes runs its rings over the rails: with k of its devices on each node, a
+ring leaves every node through k NICs at once (NCCL's channels, one per NIC, each ring crossing
+each node once), so each device sustains min(intra-node bandwidth, k x its NIC's) and waits the
+inter-node latency per hop (`Group.link`).
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class Link:
 class Group:
     """The devices one collective over ``axes`` runs among, and the link it is priced at.
 
-    ``nodes`` is the most nodes one group spans (1: ``inside_node``).
+    ``nodes`` is the most nodes one group spans (1: ``inside_node``); ``per_node`` its devices on
+    each node (the rails its rings leave a node by), and ``link`` what each device sustains.
     """
 
     axes: tuple[str, ...]
@@ -91,6 +95,10 @@ class Group:
     @property
     def inside_node(self) -> bool:
         return self.nodes == 1
+
+    @property
+    def per_node(self) -> int:
+        return max(1, self.size // self.nodes)
 
 
 @dataclass(frozen=True)
@@ -264,9 +272,12 @@ class Topology:
             inner = tuple(AXES.index(a) for a in AXES if a in axes)
             size = math.prod(self.sizes[AXES[i]] for i in inner)
             nodes = _nodes_spanned(tuple(self.sizes.values()), inner, self.target.per_node)
-            t = self.target
-            self._groups[axes] = Group(axes, size, nodes, t.intra_link if nodes == 1 else
-                                       t.inter_link)  # fmt: skip
+            t, rails = self.target, max(1, size // nodes)
+            link = t.intra_link
+            if nodes > 1:  # rings over k rails: k NICs per node, never above the intra link
+                inter = t.inter_link
+                link = Link(inter.name, min(link.bandwidth, rails * inter.bandwidth), inter.latency)
+            self._groups[axes] = Group(axes, size, nodes, link)
         return self._groups[axes]
 
     @cached_property

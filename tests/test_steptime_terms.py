@@ -1,0 +1,137 @@
+"""The step-time model's terms: rings over rails, accumulation's reductions on each platform,
+collective matmuls, and the memory-bound bytes of the non-matmul work, each by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+import models
+from sharding.costmodel import CollectiveWork, StepWork, predict, step_time, work_from_prediction
+from sharding.targets import TargetProfileError, load_profile, target
+
+RATE = 989.4e12 * 0.6  # bf16 matmul FLOP/s per H100 at the default fraction
+OP, HOP = 6.8e-6, 0.6e-6  # an NCCL op's start and one NVLink ring step (the h100 profile)
+NVLINK = 450e9 * 0.8
+
+
+def _work(**kw) -> StepWork:
+    """10 ms of bf16 matmuls per device on data=2, tensor=4."""
+    base = dict(mesh={"data": 2, "tensor": 4}, matmul_flops=RATE * 0.01, collectives=[],
+                tokens=8 * 4096, dtype="bfloat16")  # fmt: skip
+    return StepWork(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("tgt", "mesh", "axis", "want"),
+    [
+        # 8 of the group on each node: 8 NICs of 25 GB/s, under NVLink's 300.
+        ("a100:4x8", "data=32", "data", (4, 8, 200e9, "InfiniBand")),
+        # one on each node: its own NIC.
+        ("a100:4x8", "data=4,tensor=8", "data", (4, 1, 25e9, "InfiniBand")),
+        # 8 x 50 GB/s = 400 under NVLink's 450.
+        ("h100:2x8", "data=16", "data", (2, 8, 400e9, "InfiniBand")),
+        # inside a node: NVLink.
+        ("h100:2x8", "data=2,tensor=8", "tensor", (1, 8, 450e9, "NVLink")),
+    ],
+)
+def test_groups_spanning_nodes_run_their_rings_over_rails(tgt, mesh, axis, want):
+    g = target(tgt).topology(mesh).group(axis)
+    assert (g.nodes, g.per_node, g.link.bandwidth, g.link.name) == want
+
+
+def test_accumulated_gradient_reductions_run_once_per_step_where_xla_sinks_them():
+    # 4 micro-steps: the program shows the data all-reduce 4 times (4 x 1.44e9 bytes).
+    grad = CollectiveWork("all-reduce", ("data",), 4 * 1.44e9, 4)
+    tp = CollectiveWork("all-reduce", ("tensor",), 3.6e8, 8)
+    gpu = step_time(_work(collectives=[grad, tp], accum=4), "h100")
+    g, t = gpu.collectives
+    assert (g.bytes, g.count, t.bytes, t.count) == (1.44e9, 1, 3.6e8, 8)
+    assert g.time_s == pytest.approx(1.44e9 / NVLINK + OP + 2 * HOP)  # 2(n-1)/n = 1 at n = 2
+    assert any("run once per step" in a for a in gpu.assumptions)
+    # XLA for TPU is not documented to sink them: the count the program shows.
+    tpu = step_time(_work(collectives=[grad, tp], accum=4), "v5p:8")
+    assert [(c.bytes, c.count) for c in tpu.collectives] == [(4 * 1.44e9, 4), (3.6e8, 8)]
+    assert any("once per micro-step" in a for a in tpu.assumptions)
+    # one micro-step: nothing to sink.
+    one = step_time(_work(collectives=[grad, tp]), "h100")
+    assert one.collectives[0].bytes == 4 * 1.44e9
+
+
+def test_platform_of_a_profile(tmp_path):
+    assert load_profile(_profile(tmp_path, 'platform = "tpu"')).platform == "tpu"
+    assert load_profile(_profile(tmp_path, "")).platform == "gpu"
+    with pytest.raises(TargetProfileError, match=r"platform='npu' \(one of 'gpu', 'tpu'\)"):
+        load_profile(_profile(tmp_path, 'platform = "npu"'))
+
+
+def _profile(tmp_path, extra: str):
+    path = tmp_path / "dev.toml"
+    path.write_text(
+        "peak_tflops_bf16 = 100\npeak_tflops_f32 = 50\nhbm_gib = 16\nhbm_gb_per_s = 1000\n"
+        "devices_per_node = 8\nintra_node_gb_per_s = 100\nintra_node_latency_us = 1\n"
+        f"inter_node_gb_per_s = 10\ninter_node_latency_us = 5\n{extra}\n"
+    )
+    return path
+
+
+def test_collective_matmuls_hide_tensor_traffic_only_where_the_program_overlaps_it():
+    # 3.6e9 bytes all-reduced over tensor=4: 1.5 x 3.6e9 / 360e9 = 15 ms + 8 x (start + 6 hops).
+    tp = CollectiveWork("all-reduce", ("tensor",), 3.6e9, 8)
+    exposed = step_time(_work(collectives=[tp]), "h100")
+    assert exposed.collectives[0].overlap == "exposed: tensor-parallel, inside the layers"
+    over = step_time(_work(collectives=[tp], tensor_overlap=True), "h100")
+    (c,) = over.collectives
+    assert c.time_s == pytest.approx(0.015 + 8 * (OP + 6 * HOP))
+    assert (c.overlap, c.exposed_s) == ("tensor", pytest.approx(c.time_s - 0.8 * 0.01))
+    assert over.step_s == pytest.approx(exposed.step_s - 0.008)
+    assert any("collective matmuls" in a for a in over.assumptions)
+
+
+# llama tiny: d_model 64, 2 RMSNorms, a gated MLP of 128, rope over 8 query and 4 key heads of 8,
+# a vocabulary of 256; 2 rows of 64 tokens on one device, float32 (4 bytes).
+FWD = 2 * (2 + 3) * 64 + 3 * 128 + 2 * (8 + 4) * 8  # norms read+write, residuals, SwiGLU, rope
+BWD = 2 * (3 + 3) * 64 + 5 * 128 + 2 * (8 + 4) * 8
+LOSS = 4 * 4 * 256  # 4 float32 passes over the logits
+
+
+def test_elementwise_bytes_by_hand():
+    def bytes_of(strategy, mesh, attention, remat="none"):
+        pred = predict(models.llama, "tiny", strategy, mesh, 2, 64, attention=attention,
+                       remat=remat)  # fmt: skip
+        return pred.elementwise_bytes
+
+    # the reference kernel materialises 8 heads x 64 keys of scores: 5 float32 passes and 5 in
+    # the compute dtype (float32 here too).
+    scores = 8 * 64 * (5 * 4 + 5 * 4)
+    assert bytes_of("dp", {"data": 1}, "xla") == 128 * (4 * ((FWD + BWD) * 4 + scores) + LOSS)
+    # a flash kernel keeps its scores on chip
+    assert bytes_of("dp", {"data": 1}, "blockwise") == 128 * (4 * (FWD + BWD) * 4 + LOSS)
+    # remat runs the forward's elementwise work again (2 more passes of each kind of score)
+    again = 8 * 64 * (7 * 4 + 7 * 4)
+    assert bytes_of("dp", {"data": 1}, "xla", "full") == 128 * (
+        4 * ((2 * FWD + BWD) * 4 + again) + LOSS
+    )
+    # tensor=2: the MLP, heads and vocabulary split; the norms and residuals repeat on each
+    # device, unless sequence parallelism splits them too.
+    fwd_tp = 2 * 5 * 64 + 3 * 64 + 2 * 6 * 8
+    bwd_tp = 2 * 6 * 64 + 5 * 64 + 2 * 6 * 8
+    assert bytes_of("tp", {"tensor": 2}, "blockwise") == 128 * (
+        4 * (fwd_tp + bwd_tp) * 4 + LOSS / 2
+    )
+    fwd_sp, bwd_sp = fwd_tp - 2 * 5 * 32, bwd_tp - 2 * 6 * 32
+    assert bytes_of("tp+sp", {"tensor": 2}, "blockwise") == 128 * (
+        4 * (fwd_sp + bwd_sp) * 4 + LOSS / 2
+    )
+
+
+def test_elementwise_bytes_are_priced_at_the_memory_bandwidth():
+    pred = predict(models.llama, "tiny", "dp", {"data": 8}, 16, 64, dtype="bfloat16",
+                   attention="xla", accum=2)  # fmt: skip
+    one = predict(models.llama, "tiny", "dp", {"data": 8}, 8, 64, dtype="bfloat16",
+                  attention="xla")  # fmt: skip
+    assert pred.elementwise_bytes == 2 * one.elementwise_bytes  # k micro-steps: k times
+    work = work_from_prediction(pred)
+    assert work.memory_bound_bytes == 2 * pred.argument_bytes + pred.elementwise_bytes
+    assert work.accum == 2
+    st = step_time(work, "h100")
+    assert st.memory_bound_s == pytest.approx(work.memory_bound_bytes / (3.35e12 * 0.8))
