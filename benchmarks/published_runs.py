@@ -15,6 +15,7 @@ published coloured by layout kind; rows it cannot price are listed with the reas
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 import tomllib
@@ -24,6 +25,8 @@ from typing import Any
 from benchmarks._common import out_dir, parser, write_json
 
 DATA = Path(__file__).parent / "data" / "published_runs.toml"
+ROOT = Path(__file__).parent.parent
+ACCURACY = ROOT / "sharding" / "costmodel" / "accuracy.json"  # the library's copy of the errors
 # Recompute as published -> spmdkit's remat policy (selective: Megatron's and torchtitan's keep
 # the matmul outputs and recompute attention's core, as "dots" does).
 REMAT = {"full": "full", "selective": "dots", "none": "none"}
@@ -112,6 +115,21 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "within_15": sum(e <= WITHIN for e in errors) / len(errors)}  # fmt: skip
 
 
+def accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The table `sharding.costmodel.expected_error` ships: per layout kind (and over all), the
+    runs priced, median and worst |error| and the share within 15%, to 0.1%."""
+
+    def of(subset: list[dict[str, Any]]) -> dict[str, Any]:
+        s = summary(subset)
+        return {"runs": s["priced"], "median": round(s["median_abs_error"], 3),
+                "worst": round(s["worst_abs_error"], 3), "within_15": round(s["within_15"], 3)}  # fmt: skip
+
+    kinds = sorted({r["kind"] for r in rows})
+    return {"source": "python -m benchmarks.published_runs --accuracy",
+            "runs": "Megatron-LM's SC21 paper and README, torchtitan",
+            "all": of(rows), "kinds": {k: of([r for r in rows if r["kind"] == k]) for k in kinds}}  # fmt: skip
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib
 
@@ -147,6 +165,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = parser("published_runs", __doc__)
     p.add_argument("--data", type=Path, default=DATA, help="the runs (default: %(default)s)")
+    p.add_argument("--accuracy", action="store_true",
+                   help=f"write the by-kind errors to {ACCURACY.relative_to(ROOT)}, the table "
+                        f"compare's recommendation quotes")  # fmt: skip
     args = p.parse_args(argv)
 
     from rich.console import Console
@@ -180,9 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{stats['priced']}")  # fmt: skip
     for u in unpriced:
         console.print(f"not priced: {u['id']}: {u['reason']}")
+    table = accuracy(rows)
+    for k, a in table["kinds"].items():
+        console.print(f"{k}: {a['runs']} runs, median |error| {a['median']:.1%}, worst "
+                      f"{a['worst']:.1%}, within 15%: {a['within_15']:.0%}")  # fmt: skip
+    if args.accuracy:
+        ACCURACY.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {ACCURACY.relative_to(ROOT)}")
     png = plot(rows, args.out / "published_runs.png")
     path = write_json(args.out / "published_runs.json",
-                      {"summary": stats, "rows": rows, "unpriced": unpriced,
+                      {"summary": stats, "accuracy": table, "rows": rows, "unpriced": unpriced,
                        "seconds": time.perf_counter() - start})  # fmt: skip
     print(f"wrote {path} and {png} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -23,7 +23,7 @@ from sharding.comparison import (
     rank,
     recommend,
 )
-from sharding.costmodel import Layout, layouts, predict
+from sharding.costmodel import Layout, expected_error, layouts, predict
 from sharding.inspection import Peak, UnknownDeviceKindError, device_peak, mfu
 from sharding.targets import target
 
@@ -114,6 +114,9 @@ def test_llama_tiny_on_one_h100_node_is_data_parallel_and_says_why():
     assert "all-reduce" in moved and "over data (8 devices, NVLink, inside a node)" in moved
     assert any(x.startswith("Scaling, by the same model: on 16 devices (h100:2x8") for x in lines)
     assert [(s.label, s.mesh) for s in result.skipped] == [("tp", "tensor=8")]  # kv_heads=4
+    # the error to expect: the published data-parallel runs' (sharding.costmodel.accuracy.json)
+    assert lines[1] == expected_error({"data": 8}).sentence()
+    assert lines[1].startswith("Expected error: on ") and "data-parallel runs" in lines[1]
 
 
 def test_the_prediction_is_deterministic_and_the_json_carries_its_assumptions():

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from benchmarks import published_runs
+from sharding.costmodel import ACCURACY_FILE, expected_error, layout_kind
 
 ROOT = Path(__file__).parent.parent
 
@@ -44,3 +45,29 @@ def test_only_the_benchmark_reads_the_published_runs():
         p for d in ("sharding", "models", "partition_rules") for p in (ROOT / d).rglob("*.py")
     ]
     assert library and not [p for p in library if "published_runs" in p.read_text()]
+
+
+def test_the_shipped_accuracy_is_the_benchmarks_own(tmp_path):
+    """compare quotes `sharding.costmodel.expected_error`, read from the table this benchmark
+    writes; a model change that moves the errors must rewrite it (``--accuracy``)."""
+    assert published_runs.main(["--out", str(tmp_path)]) == 0
+    fresh = json.loads((tmp_path / "published_runs.json").read_text())["accuracy"]
+    shipped = json.loads(ACCURACY_FILE.read_text())
+    assert shipped == fresh, "stale: run python -m benchmarks.published_runs --accuracy"
+    assert set(shipped["kinds"]) == {"data", "fsdp", "tensor", "pipeline"}
+    assert sum(k["runs"] for k in shipped["kinds"].values()) == shipped["all"]["runs"] == 24
+    tp = expected_error({"data": 48, "tensor": 8})
+    row = shipped["kinds"]["tensor"]
+    assert (tp.kind, tp.runs, tp.median, tp.worst) == ("tensor", 6, row["median"], row["worst"])
+    assert tp.sentence().startswith("Expected error: on 6 published tensor-parallel runs")
+    assert f"off by {row['median']:.0%} (median), {row['worst']:.0%} at worst" in tp.sentence()
+
+
+def test_a_layout_is_judged_by_its_most_telling_split():
+    assert layout_kind({"stage": 2, "tensor": 8, "data": 4}) == "pipeline"
+    assert layout_kind({"fsdp": 4, "tensor": 2}) == "tensor"
+    assert [layout_kind({"fsdp": 8}), layout_kind({"data": 8}), layout_kind({})] == [
+        "fsdp", "data", "data"]  # fmt: skip
+    # no published run splits context or experts: no figure to quote
+    assert layout_kind({"fsdp": 4, "context": 2}) is None
+    assert expected_error({"data": 2, "expert": 4}) is None

@@ -183,6 +183,7 @@ def evaluate(
                           stage_layers=program.pipeline.stage_layers if piped else None,
                           accum=accum, memory_bound_bytes=memory_bound)  # fmt: skip
     if elementwise is not None:
+        sw.elementwise_bytes = elementwise
         sw.notes.append(f"Memory-bound bytes: the optimizer update reads and writes the train "
                         f"state once (2 x the program's argument bytes), and the non-matmul work "
                         f"moves {fmt_bytes(elementwise)} (the closed form's count, "

@@ -17,7 +17,7 @@ from rich.table import Table
 from sharding._units import fmt_bytes, fmt_count
 from sharding.comparison._errors import NoStrategyFitsError, NothingMeasuredError
 from sharding.comparison._evaluate import Candidate
-from sharding.costmodel import CollectiveWork, StepTime, step_time
+from sharding.costmodel import CollectiveWork, StepTime, expected_error, step_time
 from sharding.targets import Target
 
 __all__ = ["Recommendation", "comparison_table", "rank", "recommend", "scaled"]
@@ -106,8 +106,9 @@ def comparison_table(
 
 def scaled(c: Candidate, target: Target, factor: int = 2) -> tuple[str, Target, StepTime] | None:
     """The same layout on ``factor`` x the devices, the global batch unchanged, by the same
-    model: the batch axis (fsdp, else data) grows; per-device compute and activation traffic
-    shrink with the rows each device holds, weight and gradient traffic per device stays.
+    model: the batch axis (fsdp, else data) grows; per-device compute, the non-matmul operations'
+    memory traffic and activation traffic shrink with the rows each device holds, weight and
+    gradient traffic per device stays.
 
     Returns (what changed, the larger target, its predicted step), or None when the batch does
     not split over the larger axis.
@@ -127,7 +128,11 @@ def scaled(c: Candidate, target: Target, factor: int = 2) -> tuple[str, Target, 
     bigger = dataclasses.replace(
         work, mesh=new, matmul_flops=work.matmul_flops / factor,
         bubble_flops=work.bubble_flops / factor,
-        memory_bound_bytes=work.memory_bound_bytes / (factor if axis == "fsdp" else 1),
+        # the optimizer's share follows the train state (split by fsdp only), the non-matmul
+        # operations' the rows each device runs
+        memory_bound_bytes=(work.memory_bound_bytes - work.elementwise_bytes)
+        / (factor if axis == "fsdp" else 1) + work.elementwise_bytes / factor,
+        elementwise_bytes=work.elementwise_bytes / factor,
         collectives=[collective(x) for x in work.collectives], memory_bytes=None,
     )  # fmt: skip
     devices = target.devices * factor
@@ -179,6 +184,11 @@ def recommend(
         f"{fmt_count(p.throughput_per_device)} {best.unit}/s per device{mfu}, "
         f"{fmt_bytes(best.memory_bytes)} per device."
     ]
+    if not measured:
+        known = expected_error(best.mesh_sizes)
+        lines.append(known.sentence() if known is not None else (
+            f"Expected error: unknown; no published run of this kind ({best.mesh}) has been "
+            f"priced yet."))  # fmt: skip
     hbm = target.device.hbm_bytes
     one = unsplit_state <= budget
     lines.append(

@@ -12,6 +12,7 @@ package and `sharding.comparison`, compiles estimates beside their formula and r
 """
 
 from sharding._attention import live_fraction
+from sharding.costmodel._accuracy import ACCURACY_FILE, Accuracy, expected_error, layout_kind
 from sharding.costmodel._batching import (
     accumulated,
     micro_steps,
@@ -66,6 +67,7 @@ from sharding.costmodel._stepwork import work_from_prediction, work_from_report
 from sharding.costmodel._traffic import Traffic
 
 __all__ = [
+    "ACCURACY_FILE",
     "DEFAULT",
     "DTYPE_BYTES",
     "EXPERT_STRATEGIES",
@@ -76,6 +78,7 @@ __all__ = [
     "OPTIMIZER_MOMENTS",
     "ORDER",
     "SEQUENCE_STRATEGIES",
+    "Accuracy",
     "Check",
     "CollectiveTime",
     "CollectiveWork",
@@ -93,8 +96,10 @@ __all__ = [
     "accumulated",
     "called_for",
     "candidates",
+    "expected_error",
     "few_layouts",
     "lane_runs",
+    "layout_kind",
     "layouts",
     "live_fraction",
     "memory_budget",

@@ -105,6 +105,7 @@ class StepWork:
     dtype: str = "float32"
     unit: str = "tokens"
     memory_bound_bytes: float = 0.0
+    elementwise_bytes: float = 0.0  # of memory_bound_bytes, the non-matmul operations' (per row)
     bubble_flops: float = 0.0
     bubble_fraction: float = 0.0
     schedule: str | None = None

@@ -325,6 +325,7 @@ def work_from_prediction(
         collectives=_collectives_of(pred.traffic, lambda x: (
             x.kind, tuple(x.axes), x.bytes, x.count, x.what)),
         tokens=pred.batch * pred.seq, dtype=pred.dtype, memory_bound_bytes=memory_bound_bytes,
+        elementwise_bytes=min(pred.elementwise_bytes, memory_bound_bytes),
         remat=pred.remat, model_flops=model_flops, memory_bytes=pred.memory_bytes,
         source="closed-form prediction", notes=notes, accum=pred.accum)  # fmt: skip
     if pred.pipeline is None:
