@@ -162,20 +162,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser("published_runs", __doc__)
-    p.add_argument("--data", type=Path, default=DATA, help="the runs (default: %(default)s)")
-    p.add_argument("--accuracy", action="store_true",
-                   help=f"write the by-kind errors to {ACCURACY.relative_to(ROOT)}, the table "
-                        f"compare's recommendation quotes")  # fmt: skip
-    args = p.parse_args(argv)
-
-    from rich.console import Console
-    from rich.table import Table
-
-    start, data = time.perf_counter(), load(args.data)
+def priced(data: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[list, list]:
+    """(rows priced, each with its ratio and kind; [{"id", "reason"}] of those that cannot be)."""
     rows, unpriced = [], []
-    for run in data["run"]:
+    for run in runs:
         got = price(run, data["models"][run["model"]])
         if "reason" in got:
             unpriced.append({"id": run["id"], "reason": got["reason"]})
@@ -185,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                      "kind": kind(run["layout"]), "assumed": run.get("assumed", []),
                      "published": run["tokens_per_gpu"], **got,
                      "ratio": got["predicted"] / run["tokens_per_gpu"]})  # fmt: skip
-    stats = summary(rows)
-    table = Table(title=f"published vs predicted tokens/s per GPU ({len(rows)} runs priced)")
+    return rows, unpriced
+
+
+def _table(title: str, rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
     for col in ("id", "model", "GPUs", "layout", "published", "predicted", "ratio", "dominates"):
         table.add_column(col, justify="left" if col in ("id", "model", "layout") else "right")
     for r in rows:
@@ -194,13 +189,36 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(r["id"], r["model"], f"{r['gpus']} {r['device']}", r["layout"],
                       f"{r['published']:.4g}", f"{r['predicted']:.4g}", f"{r['ratio']:.2f}",
                       r["dominant"], style="red" if off else None)  # fmt: skip
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("published_runs", __doc__)
+    p.add_argument("--data", type=Path, default=DATA, help="the runs (default: %(default)s)")
+    p.add_argument("--accuracy", action="store_true",
+                   help=f"write the by-kind errors to {ACCURACY.relative_to(ROOT)}, the table "
+                        f"compare's recommendation quotes")  # fmt: skip
+    args = p.parse_args(argv)
+
+    from rich.console import Console
+
+    start, data = time.perf_counter(), load(args.data)
+    rows, unpriced = priced(data, data["run"])
+    held, held_unpriced = priced(data, data.get("held_out", []))
+    stats = summary(rows)
     console = Console(width=140)
-    console.print(table)
+    console.print(_table(f"published vs predicted tokens/s per GPU ({len(rows)} runs priced)",
+                         rows))  # fmt: skip
     console.print(f"median |error| {stats['median_abs_error']:.1%}, worst "
                   f"{stats['worst_abs_error']:.1%}, within 15%: {stats['within_15']:.0%} of "
                   f"{stats['priced']}")  # fmt: skip
-    for u in unpriced:
+    for u in unpriced + held_unpriced:
         console.print(f"not priced: {u['id']}: {u['reason']}")
+    if held:
+        console.print(_table(f"held out: {len(held)} run(s) the model was not derived on", held))
+        h = summary(held)
+        console.print(f"held out: median |error| {h['median_abs_error']:.1%}, worst "
+                      f"{h['worst_abs_error']:.1%} of {h['priced']}")  # fmt: skip
     table = accuracy(rows)
     for k, a in table["kinds"].items():
         console.print(f"{k}: {a['runs']} runs, median |error| {a['median']:.1%}, worst "
@@ -211,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(rows, args.out / "published_runs.png")
     path = write_json(args.out / "published_runs.json",
                       {"summary": stats, "accuracy": table, "rows": rows, "unpriced": unpriced,
+                       "held_out": {"summary": summary(held) if held else None, "rows": held,
+                                    "unpriced": held_unpriced},
                        "seconds": time.perf_counter() - start})  # fmt: skip
     print(f"wrote {path} and {png} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -27,6 +27,10 @@ def test_every_published_run_is_priced_or_says_why(tmp_path, capsys):
     assert stats["worst_abs_error"] == errors[-1] and stats["priced"] == 24
     assert stats["within_15"] == sum(e <= 0.15 for e in errors) / 24
     assert (tmp_path / "published_runs.png").stat().st_size > 10_000
+    # runs held out of the model's derivation are priced apart, by the same public calls
+    held = data["held_out"]
+    assert [r["id"] for r in held["rows"]] == ["MX1"] and held["unpriced"] == []
+    assert held["summary"]["priced"] == 1 and held["rows"][0]["kind"] == "fsdp"
     assert "median |error|" in capsys.readouterr().out
 
 
