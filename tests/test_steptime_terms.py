@@ -36,7 +36,23 @@ def _work(**kw) -> StepWork:
 )
 def test_groups_spanning_nodes_run_their_rings_over_rails(tgt, mesh, axis, want):
     g = target(tgt).topology(mesh).group(axis)
-    assert (g.nodes, g.per_node, g.link.bandwidth, g.link.name) == want
+    assert (g.nodes, g.per_node, g.ring_link.bandwidth, g.ring_link.name) == want
+    # a device's own point-to-point bytes leave by its own NIC (or NVLink inside a node)
+    assert g.link.bandwidth == (want[2] if g.inside_node else target(tgt).device.inter_bw)
+
+
+def test_permutes_and_all_to_all_cross_nodes_at_one_nic_rings_at_k():
+    # data=16 on two nodes of 8: the ring gets 8 NICs (400 GB/s, under NVLink's 450), a permute
+    # or an all-to-all only its own (50 GB/s).
+    ring = CollectiveWork("all-gather", ("data",), 1.6e9, 1)
+    permute = CollectiveWork("collective-permute", ("data",), 1.6e9, 1)
+    a2a = CollectiveWork("all-to-all", ("data",), 1.6e9, 1)
+    st = step_time(_work(mesh={"data": 16}, collectives=[ring, permute, a2a]), "h100:2x8")
+    r, p, a = st.collectives
+    assert r.bandwidth_s == pytest.approx(15 / 16 * 1.6e9 / (400e9 * 0.8))
+    assert p.bandwidth_s == pytest.approx(1.6e9 / (50e9 * 0.8))
+    assert a.bandwidth_s == pytest.approx(15 / 16 * 1.6e9 / (50e9 * 0.8))
+    assert {r.link, p.link, a.link} == {"InfiniBand"}
 
 
 def test_accumulated_gradient_reductions_run_once_per_step_where_xla_sinks_them():

@@ -12,8 +12,9 @@ update, and the non-matmul operations' traffic, `sharding.costmodel._elementwise
 of the HBM bandwidth. Collectives are rings: all-reduce sends 2(n-1)/n of its operand, all-gather
 (n-1)/n of its gathered output, reduce-scatter and all-to-all (n-1)/n of their operand,
 collective-permute its operand once (the `CollectiveOp.bytes` convention, which predictions
-share), at what the group sustains (`Topology.group`: the intra-node link, or across nodes the
-rails, k NICs for its k devices on each node), plus one link latency per ring step: 2(n-1) for
+share), at what the group sustains (`Topology.group`: the intra-node link; across nodes, rings
+over the rails, k NICs for its k devices on each node, and a device's permute and all-to-all
+bytes through its own NIC), plus one link latency per ring step: 2(n-1) for
 all-reduce, n-1 for the other rings, 1 for a permute. Data/fsdp gradient reductions and weight
 gathers hide behind compute up to `OVERLAP` of it; tensor-parallel collectives too where the
 program overlaps them (`StepWork.tensor_overlap`); the rest is exposed. Gradient accumulation's
@@ -41,6 +42,7 @@ OVERLAP = 0.8
 # Share of HBM a step may fill: the rest is the runtime, library workspaces and fragmentation.
 MEMORY_FRACTION = 0.9
 OVERLAP_AXES = frozenset({"data", "fsdp"})  # their reductions and gathers overlap compute
+RINGS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})  # over rails across nodes
 BACKWARD_SHARE = {"none": 2 / 3, "dots": 2 / 3, "full": 3 / 4}  # of the matmul time, by remat
 _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
          "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
@@ -242,11 +244,12 @@ def step_time(
     for c in work.collectives:
         g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
         factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined, work.tensor_overlap)
+        link = g.ring_link if c.kind in RINGS else g.link
         if sinks and _accumulated(c):
             c = CollectiveWork(c.kind, c.axes, c.bytes / work.accum,
                                max(1, c.count // work.accum), c.what)  # fmt: skip
-        bw_s = factor * c.bytes / (g.link.bandwidth * d.link_fraction)
-        lat_s = c.count * (d.op_latency + ring_hops(c.kind, g.size) * g.link.latency)
+        bw_s = factor * c.bytes / (link.bandwidth * d.link_fraction)
+        lat_s = c.count * (d.op_latency + ring_hops(c.kind, g.size) * link.latency)
         by_rule[rule] += bw_s + lat_s
         rows.append((c, g, factor, bw_s, lat_s, rule))
     backward = BACKWARD_SHARE.get(work.remat, 2 / 3)
@@ -295,9 +298,11 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"sends 2(n-1)/n of its bytes, all-gather (n-1)/n of its gathered output, reduce-scatter "
         f"and all-to-all (n-1)/n of their operand, collective-permute its operand once; each op "
         f"starts at {d.op_latency * 1e6:g} us and each ring step waits one hop ({d.intra_latency * 1e6:g} us over {d.intra_link}, "
-        f"{d.inter_latency * 1e6:g} us over {d.inter_link}); a group spanning nodes with k "
-        f"devices on each runs its rings over k rails: min({d.intra_link} "
-        f"{d.intra_bw / 1e9:g}, k x {d.inter_bw / 1e9:g} GB/s {d.inter_link}) per device.",
+        f"{d.inter_latency * 1e6:g} us over {d.inter_link}); across nodes a group with k "
+        f"devices on each runs its rings (all-reduce, all-gather, reduce-scatter) over k rails, "
+        f"min({d.intra_link} {d.intra_bw / 1e9:g}, k x {d.inter_bw / 1e9:g} GB/s) per device, "
+        f"and a device's permute and all-to-all bytes through its own {d.inter_bw / 1e9:g} GB/s "
+        f"{d.inter_link}.",
         f"Overlap: gradient reductions over data/fsdp hide behind the backward ({backward:.0%} "
         f"of the matmul time, remat {work.remat}) up to {overlap:.0%} of it; fsdp/data weight "
         f"all-gathers are prefetched behind what the reductions leave of {overlap:.0%} of the "

@@ -8,11 +8,12 @@ on one node, refused if they do not fit one), ``NAME:NODESxPER`` and ``path/to/p
 `Topology` lays a mesh on the target's nodes the way `sharding.make_mesh` orders devices: device
 ids row-major over ``AXES`` (stage, data, fsdp, expert, context, tensor; tensor innermost), node k holding ids
 ``k * per_node ... (k + 1) * per_node - 1``. A collective over a set of axes runs in groups of
-devices that differ only along those axes. A group inside one node runs at the intra-node link;
-a group that spans nodes runs its rings over the rails: with k of its devices on each node, a
-ring leaves every node through k NICs at once (NCCL's channels, one per NIC, each ring crossing
-each node once), so each device sustains min(intra-node bandwidth, k x its NIC's) and waits the
-inter-node latency per hop (`Group.link`).
+devices that differ only along those axes. A group inside one node runs at the intra-node link.
+A group that spans nodes sends a device's own point-to-point bytes (permutes, all-to-all) through
+that device's NIC (`Group.link`), and runs its ring collectives over the rails: with k of its
+devices on each node, a ring leaves every node through k NICs at once (NCCL's channels, one per
+NIC, each ring crossing each node once), so each device sustains min(intra-node bandwidth, k x
+its NIC's) (`Group.ring_link`); both wait the inter-node latency per hop.
 """
 
 from __future__ import annotations
@@ -84,13 +85,20 @@ class Group:
     """The devices one collective over ``axes`` runs among, and the link it is priced at.
 
     ``nodes`` is the most nodes one group spans (1: ``inside_node``); ``per_node`` its devices on
-    each node (the rails its rings leave a node by), and ``link`` what each device sustains.
+    each node. ``link`` is what each device's own traffic crosses (a permute's or all-to-all's
+    bytes leave by the device's own NIC), ``ring_link`` what a ring collective sustains per
+    device: its channels leave a node by the group's ``per_node`` NICs at once (rails).
     """
 
     axes: tuple[str, ...]
     size: int
     nodes: int
     link: Link
+    ring_link: Link | None = None
+
+    def __post_init__(self) -> None:
+        if self.ring_link is None:
+            object.__setattr__(self, "ring_link", self.link)
 
     @property
     def inside_node(self) -> bool:
@@ -273,11 +281,11 @@ class Topology:
             size = math.prod(self.sizes[AXES[i]] for i in inner)
             nodes = _nodes_spanned(tuple(self.sizes.values()), inner, self.target.per_node)
             t, rails = self.target, max(1, size // nodes)
-            link = t.intra_link
+            link = ring = t.intra_link if nodes == 1 else t.inter_link
             if nodes > 1:  # rings over k rails: k NICs per node, never above the intra link
-                inter = t.inter_link
-                link = Link(inter.name, min(link.bandwidth, rails * inter.bandwidth), inter.latency)
-            self._groups[axes] = Group(axes, size, nodes, link)
+                ring = Link(link.name, min(t.intra_link.bandwidth, rails * link.bandwidth),
+                            link.latency)  # fmt: skip
+            self._groups[axes] = Group(axes, size, nodes, link, ring)
         return self._groups[axes]
 
     @cached_property
