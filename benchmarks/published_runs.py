@@ -130,7 +130,7 @@ def accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "all": of(rows), "kinds": {k: of([r for r in rows if r["kind"] == k]) for k in kinds}}  # fmt: skip
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+def plot(rows: list[dict[str, Any]], path: Path, held: list[dict[str, Any]] = ()) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,11 +144,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         if pts:
             ax.scatter([r["published"] for r in pts], [r["predicted"] for r in pts], c=colour,
                        label=k, s=36, zorder=3)  # fmt: skip
-    for r in rows:
+    if held:
+        ax.scatter([r["published"] for r in held], [r["predicted"] for r in held], c="black",
+                   marker="*", s=90, label="held out", zorder=4)  # fmt: skip
+    for r in [*rows, *held]:
         ax.annotate(r["id"], (r["published"], r["predicted"]), fontsize=7,
                     xytext=(3, 3), textcoords="offset points")  # fmt: skip
-    lo = min(min(r["published"], r["predicted"]) for r in rows) / 1.5
-    hi = max(max(r["published"], r["predicted"]) for r in rows) * 1.5
+    every = [*rows, *held]
+    lo = min(min(r["published"], r["predicted"]) for r in every) / 1.5
+    hi = max(max(r["published"], r["predicted"]) for r in every) * 1.5
     ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="y = x")
     ax.fill_between([lo, hi], [lo * (1 - WITHIN), hi * (1 - WITHIN)],
                     [lo * (1 + WITHIN), hi * (1 + WITHIN)], color="0.9", label="within 15%")  # fmt: skip
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.accuracy:
         ACCURACY.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {ACCURACY.relative_to(ROOT)}")
-    png = plot(rows, args.out / "published_runs.png")
+    png = plot(rows, args.out / "published_runs.png", held)
     path = write_json(args.out / "published_runs.json",
                       {"summary": stats, "accuracy": table, "rows": rows, "unpriced": unpriced,
                        "held_out": {"summary": summary(held) if held else None, "rows": held,

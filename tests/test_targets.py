@@ -195,13 +195,18 @@ def test_tensor_and_fsdp_across_nodes_are_flagged():
     assert topo.group("tensor").nodes == 2
     (warning,) = topo.warnings
     assert warning.startswith("tensor=16 spans 2 nodes: tensor-parallel collectives run inside")
-    assert "InfiniBand at 50 GB/s instead of NVLink at 450 GB/s" in warning
+    # its rings leave each node over 8 NICs: 400 GB/s, but 8.33x NVLink's latency per hop
+    assert (
+        "InfiniBand over 8 rails at 400 GB/s instead of NVLink at 450 GB/s per direction, "
+        "8.33x the latency per hop" in warning
+    )
     # h100:4x4 with data=2,fsdp=2,tensor=4: id = 8 data + 4 fsdp + tensor, node = id // 4, so
     # an fsdp pair {t, t+4} spans 2 nodes while a tensor group fills one.
     topo = target("h100:4x4").topology("data=2,fsdp=2,tensor=4")
     assert topo.group("tensor").inside_node and topo.group("fsdp").nodes == 2
     (warning,) = topo.warnings
     assert warning.startswith("fsdp=2 spans 2 nodes: every layer's weights are gathered")
+    assert "through InfiniBand at 50 GB/s instead of NVLink" in warning  # one NIC: no rails
     assert target("h100:2x8").topology("data=2,fsdp=8").warnings == []  # HSDP: fsdp in a node
 
 

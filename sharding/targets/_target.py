@@ -292,23 +292,28 @@ class Topology:
     def warnings(self) -> list[str]:
         """Tensor or fsdp groups that cross nodes: the guides' cross-switch warning."""
         t, out = self.target, []
-        intra, inter = t.intra_link, t.inter_link
-        links = (
-            f"{inter.name} at {inter.bandwidth / 1e9:g} GB/s instead of {intra.name} at "
-            f"{intra.bandwidth / 1e9:g} GB/s per direction"
-        )
+        intra = t.intra_link
+
+        def links(g: Group) -> str:
+            rails = f" over {g.per_node} rails" if g.per_node > 1 else ""
+            return (f"{g.ring_link.name}{rails} at {g.ring_link.bandwidth / 1e9:g} GB/s instead "
+                    f"of {intra.name} at {intra.bandwidth / 1e9:g} GB/s per direction, "
+                    f"{g.ring_link.latency / intra.latency:.3g}x the latency per hop")  # fmt: skip
+
         tensor, fsdp = self.group("tensor"), self.group("fsdp")
         if tensor.size > 1 and not tensor.inside_node:
             out.append(
                 f"tensor={tensor.size} spans {tensor.nodes} nodes: tensor-parallel collectives "
-                f"run inside every layer, forward and backward, and would cross {links}; keep "
+                f"run inside every layer, forward and backward, and would cross "
+                f"{links(tensor)}; keep "
                 f"tensor within a node (at most {t.per_node}) and put data, fsdp or stage across "
                 f"nodes"
             )
         if fsdp.size > 1 and not fsdp.inside_node:
             out.append(
                 f"fsdp={fsdp.size} spans {fsdp.nodes} nodes: every layer's weights are gathered "
-                f"and its gradients reduce-scattered over {links}; consider fsdp within a node "
+                f"and its gradients reduce-scattered through {links(fsdp)}; consider fsdp within a "
+                f"node "
                 f"and data across nodes (hybrid sharding)"
             )
         return out
