@@ -231,6 +231,24 @@ def test_compare_finds_the_cnn_hybrid_beside_pure_dp():
     assert hybrid.collective_bytes < dp.collective_bytes
     assert hybrid.state_bytes < dp.state_bytes
     assert "weights tensor(2)" in hybrid.split
+    # no closed form for the CNN: its memory-bound work is the optimizer update, and it says so
+    assert dp.predicted_work.elementwise_bytes == 0
+    assert any("a model without a closed form" in n for n in dp.predicted_work.notes)
+
+
+def test_a_compiled_candidate_moves_the_closed_forms_elementwise_bytes():
+    """compare prices the compiled program's FLOPs and collectives, and the non-matmul work by
+    the closed form's count (the HLO of a CPU compile fuses otherwise than a GPU's)."""
+    settings, tgt = Settings(16, 32), target("h100:1x8")
+    cand, program = evaluate(Layout("fsdp", "fsdp=8"), _workload(), settings, tgt,
+                             dtype="float32")  # fmt: skip
+    pred = predict(llama, "tiny", "fsdp", {"fsdp": 8}, 16, 32, dtype="float32")
+    work = cand.predicted_work
+    assert work.elementwise_bytes == pred.elementwise_bytes > 0
+    args = program.report().memory.argument
+    assert work.memory_bound_bytes == 2 * args + pred.elementwise_bytes
+    assert cand.predicted.memory_bound_s == pytest.approx(work.memory_bound_bytes / (3.35e12 * 0.8))
+    assert any("the closed form's count" in n for n in work.notes)
 
 
 @pytest.mark.slow
