@@ -140,6 +140,15 @@ def test_elementwise_bytes_by_hand():
     )
 
 
+def test_a_mixture_of_experts_moves_its_experts_capacity_slots():
+    # llama-moe tiny: 4 experts of d_ff 128, top 2 at capacity 1.25 over 64 tokens: 40 slots an
+    # expert, 2.5 experts' worth of SwiGLU per token (320 wide), on 2 rows of 64 tokens.
+    pred = predict(models.llama_moe, "tiny", "dp", {"data": 1}, 2, 64, attention="blockwise")
+    fwd = 2 * (2 + 3) * 64 + 3 * 320 + 2 * (8 + 4) * 8
+    bwd = 2 * (3 + 3) * 64 + 5 * 320 + 2 * (8 + 4) * 8
+    assert pred.elementwise_bytes == 128 * (4 * (fwd + bwd) * 4 + LOSS)
+
+
 def test_elementwise_bytes_are_priced_at_the_memory_bandwidth():
     pred = predict(models.llama, "tiny", "dp", {"data": 8}, 16, 64, dtype="bfloat16",
                    attention="xla", accum=2)  # fmt: skip

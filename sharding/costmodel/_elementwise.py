@@ -9,9 +9,10 @@ kernel (no fusion across them assumed):
 - a norm reads x and writes y (2 widths); its backward reads x and dy and writes dx (3);
 - a residual add reads two and writes one (3); in the backward the two cotangents are summed
   where the branches join (3); one residual add per norm (pre-norm blocks);
-- the MLP's activation on its d_ff slots: GELU reads and writes (2), its backward reads x and dy
-  and writes dx (3); a gated one (SwiGLU) reads gate and up and writes one (3), its backward
-  reads three and writes two (5);
+- the MLP's activation on its d_ff slots (a mixture of experts: every expert's, on the capacity
+  slots a token fills on average): GELU reads and writes (2), its backward reads x and dy and
+  writes dx (3); a gated one (SwiGLU) reads gate and up and writes one (3), its backward reads
+  three and writes two (5);
 - rotary embeddings read and write q and k (2 each way, forward and backward);
 - attention without a flash kernel ("xla") materialises its scores over its keys: the float32
   scores written and read by the softmax, the probabilities (compute dtype) written and read by
@@ -54,7 +55,9 @@ def layer_elements(s: Any) -> tuple[float, float, float]:
     hw = cfg.d_model / (t if splits_sequence_over_tensor(s) else 1)
     mlp = [q for q in s.params if q.role == "layer" and len(q.shape) >= 3
            and q.logical[-1] == "mlp"]  # fmt: skip
-    fw = cfg.d_ff / _split(s, "mlp") * s.expert_share if mlp else 0.0
+    # an expert kernel [L, E, D, F] runs on its E experts' capacity slots (expert_share of each)
+    slots = getattr(cfg, "n_experts", None) or 1
+    fw = cfg.d_ff / _split(s, "mlp") * slots * s.expert_share if mlp else 0.0
     gated = len({q.path for q in mlp}) > 1
     norms = max(_modules(s, "scale"), 1)
     fwd = norms * (2 + 3) * hw + (3 if gated else 2) * fw
