@@ -55,22 +55,30 @@ def test_permutes_and_all_to_all_cross_nodes_at_one_nic_rings_at_k():
     assert {r.link, p.link, a.link} == {"InfiniBand"}
 
 
-def test_accumulated_gradient_reductions_run_once_per_step_where_xla_sinks_them():
-    # 4 micro-steps: the program shows the data all-reduce 4 times (4 x 1.44e9 bytes).
+def test_accumulated_all_reduces_run_once_after_the_loop_where_xla_sinks_them():
+    # 4 micro-steps: the program shows the data all-reduce 4 times (4 x 1.44e9 bytes), each
+    # behind its micro-step's backward, and fsdp's reduce-scatter 4 times.
     grad = CollectiveWork("all-reduce", ("data",), 4 * 1.44e9, 4)
+    scatter = CollectiveWork("reduce-scatter", ("fsdp",), 4 * 1e8, 4)
     tp = CollectiveWork("all-reduce", ("tensor",), 3.6e8, 8)
-    gpu = step_time(_work(collectives=[grad, tp], accum=4), "h100")
-    g, t = gpu.collectives
-    assert (g.bytes, g.count, t.bytes, t.count) == (1.44e9, 1, 3.6e8, 8)
-    assert g.time_s == pytest.approx(1.44e9 / NVLINK + OP + 2 * HOP)  # 2(n-1)/n = 1 at n = 2
-    assert any("run once per step" in a for a in gpu.assumptions)
-    # XLA for TPU is not documented to sink them: the count the program shows.
-    tpu = step_time(_work(collectives=[grad, tp], accum=4), "v5p:8")
-    assert [(c.bytes, c.count) for c in tpu.collectives] == [(4 * 1.44e9, 4), (3.6e8, 8)]
+    mesh = {"data": 2, "fsdp": 2, "tensor": 2}
+    gpu = step_time(_work(mesh=mesh, collectives=[grad, scatter, tp], accum=4), "h100")
+    g, r, t = gpu.collectives
+    # XLA for GPU moves the all-reduce out of the loop: once, exposed (nothing left to hide it)
+    assert (g.bytes, g.count, g.overlap) == (1.44e9, 1, "exposed: after the accumulation loop")
+    assert g.exposed_s == g.time_s == pytest.approx(1.44e9 / NVLINK + OP + 2 * HOP)
+    # the reduce-scatters stay in the loop (their code motion is off by default), hidden
+    assert (r.bytes, r.count, r.overlap, r.exposed_s) == (4e8, 4, "grad", 0)
+    assert (t.bytes, t.count) == (3.6e8, 8)
+    assert any("they run once per step, after the loop, exposed" in a for a in gpu.assumptions)
+    # XLA for TPU is not documented to sink them: the count the program shows, behind compute.
+    tpu = step_time(_work(mesh=mesh, collectives=[grad, scatter, tp], accum=4), "v5p:8")
+    assert [(c.bytes, c.count) for c in tpu.collectives] == [(4 * 1.44e9, 4), (4e8, 4), (3.6e8, 8)]
+    assert tpu.collectives[0].overlap == "grad"
     assert any("once per micro-step" in a for a in tpu.assumptions)
     # one micro-step: nothing to sink.
-    one = step_time(_work(collectives=[grad, tp]), "h100")
-    assert one.collectives[0].bytes == 4 * 1.44e9
+    one = step_time(_work(mesh=mesh, collectives=[grad]), "h100")
+    assert (one.collectives[0].bytes, one.collectives[0].overlap) == (4 * 1.44e9, "grad")
 
 
 def test_platform_of_a_profile(tmp_path):

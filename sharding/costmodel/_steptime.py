@@ -18,8 +18,8 @@ bytes through its own NIC), plus one link latency per ring step: 2(n-1) for
 all-reduce, n-1 for the other rings, 1 for a permute. Data/fsdp gradient reductions and weight
 gathers hide behind compute up to `OVERLAP` of it; tensor-parallel collectives too where the
 program overlaps them (`StepWork.tensor_overlap`); the rest is exposed. Gradient accumulation's
-reductions run once per step where the target's XLA moves them out of the micro-step loop
-(`sharding.targets.PLATFORMS`), else once per micro-step as the program shows.
+all-reduces run once per step, exposed after the micro-step loop, where the target's XLA moves
+them out of it (`sharding.targets.PLATFORMS`), else once per micro-step as the program shows.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
          "collective-permute": lambda n: 1}  # fmt: skip
 
 
-def _accumulated(c: CollectiveWork) -> bool:
-    """A gradient reduction over data/fsdp: summed into the accumulation buffer each micro-step."""
-    return (c.axes is not None and set(c.axes) <= OVERLAP_AXES
-            and c.kind in ("all-reduce", "reduce-scatter"))  # fmt: skip
+def _sunk(c: CollectiveWork) -> bool:
+    """A gradient all-reduce over data/fsdp, summed into the accumulation buffer each micro-step:
+    what XLA for GPU moves out of the micro-step loop (`sharding.targets.PLATFORMS`)."""
+    return c.axes is not None and set(c.axes) <= OVERLAP_AXES and c.kind == "all-reduce"
 
 
 class StepTimeError(CostModelError):
@@ -240,14 +240,15 @@ def step_time(
     matmul_s, bubble_s = (work.matmul_flops - work.bubble_flops) / rate, work.bubble_flops / rate
     memory_s = work.memory_bound_bytes / (d.hbm_bw * d.hbm_fraction)
     rows, by_rule = [], defaultdict(float)
-    sinks = work.accum > 1 and PLATFORMS[d.platform]["sinks_accumulated_reductions"]
+    sinks = work.accum > 1 and PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
     for c in work.collectives:
         g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
         factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined, work.tensor_overlap)
         link = g.ring_link if c.kind in RINGS else g.link
-        if sinks and _accumulated(c):
+        if sinks and _sunk(c):  # once, after the loop: nothing left to hide behind
             c = CollectiveWork(c.kind, c.axes, c.bytes / work.accum,
                                max(1, c.count // work.accum), c.what)  # fmt: skip
+            rule = "exposed: after the accumulation loop"
         bw_s = factor * c.bytes / (link.bandwidth * d.link_fraction)
         lat_s = c.count * (d.op_latency + ring_hops(c.kind, g.size) * link.latency)
         by_rule[rule] += bw_s + lat_s
@@ -319,10 +320,11 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"({fmt_bytes(budget)}); the rest is the runtime, workspaces and fragmentation.",
     ]  # fmt: skip
     if work.accum > 1:
-        sinks = PLATFORMS[d.platform]["sinks_accumulated_reductions"]
+        sinks = PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
         out.append(f"{work.accum} micro-steps per step: " + (
-            f"XLA for {d.platform} moves the gradient reductions out of the accumulation loop "
-            f"(WhileLoopAllReduceCodeMotion), so they run once per step." if sinks else
+            f"XLA for {d.platform} moves the gradient all-reduces out of the accumulation loop "
+            f"(WhileLoopAllReduceCodeMotion): they run once per step, after the loop, exposed; "
+            f"fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
             "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
     if work.schedule:
         out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "

@@ -228,7 +228,7 @@ def work_from_report(
             once (2 x the argument bytes).
         stage_layers: ``program.pipeline.stage_layers`` of balanced stages (an explicit
             schedule's stage runs its own count of its ``max(stage_layers)`` layer slots).
-        accum: the step's micro-steps (``accum_steps``): its gradient reductions, which the
+        accum: the step's micro-steps (``accum_steps``): its gradient all-reduces, which the
             program runs once per micro-step, run once per step where the target's compiler
             moves them out of the loop (`sharding.targets.PLATFORMS`).
 

@@ -23,9 +23,6 @@ GPU_OVERLAP_OPTIONS: dict[str, bool] = {
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_reduce_scatter": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
-    # Move gradient accumulation's reduce-scatters (fsdp) out of the micro-step loop, as XLA
-    # already does for its all-reduces (WhileLoopAllReduceCodeMotion): one per step, not k.
-    "xla_gpu_enable_while_loop_reduce_scatter_code_motion": True,
     # Unroll loops by two so that the pipelined collectives have a whole iteration to hide in.
     "xla_gpu_enable_while_loop_double_buffering": True,
 }

@@ -34,16 +34,18 @@ LINK_FRACTION = 0.8
 
 GIB = 2**30
 # What XLA's compiler for each platform does to a step that the step-time model prices.
-# "sinks_accumulated_reductions": the collective-optimisation pipeline runs
+# "sinks_accumulated_all_reduces": the collective-optimisation pipeline runs
 # WhileLoopAllReduceCodeMotion after SPMD partitioning (xla/service/gpu/gpu_compiler.cc), which
-# moves an all-reduce whose result is only added into a loop-carried buffer out of the loop, and
-# a reduce-scatter too under xla_gpu_enable_while_loop_reduce_scatter_code_motion (spmdkit sets
-# it, `sharding.inspection.GPU_OVERLAP_OPTIONS`): gradient accumulation's reductions run once per
-# step. XLA:CPU does not (measured: dp's all-reduce k-fold over k micro-steps), nor is it
-# documented for TPU, which keeps the count the program shows.
+# moves an all-reduce whose result is only added into a loop-carried buffer out of the loop:
+# gradient accumulation's data-parallel all-reduces run once, after the micro-step loop, where
+# no compute is left to hide them. Its reduce-scatters (fsdp) move only under
+# xla_gpu_enable_while_loop_reduce_scatter_code_motion, off by default and not set by spmdkit,
+# so they stay in the loop, each hidden behind its micro-step's backward. XLA:CPU does not sink
+# them (measured: dp's all-reduce k-fold over k micro-steps), nor is it documented for TPU, which
+# keeps the count the program shows.
 PLATFORMS: dict[str, dict[str, bool]] = {
-    "gpu": {"sinks_accumulated_reductions": True},
-    "tpu": {"sinks_accumulated_reductions": False},
+    "gpu": {"sinks_accumulated_all_reduces": True},
+    "tpu": {"sinks_accumulated_all_reduces": False},
 }
 
 
