@@ -7,7 +7,7 @@ import pytest
 
 import models
 from sharding.costmodel import CollectiveWork, StepWork, predict, step_time, work_from_prediction
-from sharding.targets import TargetProfileError, load_profile, target
+from sharding.targets import PROFILES, TargetProfileError, load_profile, target
 
 RATE = 989.4e12 * 0.6  # bf16 matmul FLOP/s per H100 at the default fraction
 OP, HOP = 6.8e-6, 0.6e-6  # an NCCL op's start and one NVLink ring step (the h100 profile)
@@ -168,3 +168,21 @@ def test_elementwise_bytes_are_priced_at_the_memory_bandwidth():
     assert work.accum == 2
     st = step_time(work, "h100")
     assert st.memory_bound_s == pytest.approx(work.memory_bound_bytes / (3.35e12 * 0.8))
+
+
+def test_every_fraction_names_where_it_comes_from(tmp_path):
+    st = step_time(_work(), "h100")
+    text = " ".join(st.assumptions)
+    assert (
+        "(figures: NVIDIA H100 datasheet (SXM5); DGX H100 user guide; latencies: NCCL's "
+        "tuning model (src/graph/tuning.cc))" in text
+    )
+    assert "the 60%: spmdkit's default: large bf16 GEMMs sustain 65-75%" in text
+    assert "the 80%: spmdkit's default: streaming kernels reach 80-90%" in text
+    assert "(spmdkit's default: NCCL's bus bandwidth reaches about 80%" in text
+    assert PROFILES["v5p"].source.endswith("latencies: orders of magnitude (an ICI hop ~1 us, "
+                                           "DCN tens of us)")  # fmt: skip
+    # a profile's own fraction is the profile's
+    spec = load_profile(_profile(tmp_path, 'matmul_fraction = 0.7\nsource = "our GEMM runs"'))
+    assert spec.source_of("matmul_fraction") == "the profile's: our GEMM runs"
+    assert spec.source_of("link_fraction").startswith("spmdkit's default")

@@ -288,14 +288,16 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
     """Every figure `step_time` used, as sentences."""
     d, peak = tgt.device, tgt.device.peak(work.dtype)
     out = [
-        f"Target {tgt.describe()}.",
+        f"Target {tgt.describe()} (figures: {d.source or d.name}).",
         f"Matmuls run at {d.matmul_fraction:.0%} of the dense {work.dtype} peak "
         f"({peak / 1e12:g} TFLOP/s): {peak * d.matmul_fraction / 1e12:.4g} TFLOP/s per device, "
-        f"for {fmt_count(work.matmul_flops)} FLOPs per device per step ({work.source}).",
+        f"for {fmt_count(work.matmul_flops)} FLOPs per device per step ({work.source}); the "
+        f"{d.matmul_fraction:.0%}: {d.source_of('matmul_fraction')}.",
         f"Memory-bound work moves {fmt_bytes(work.memory_bound_bytes)} per device at "
         f"{d.hbm_fraction:.0%} of {d.hbm_bw / 1e9:g} GB/s HBM (what it is: the adapter's note "
-        f"below).",
-        f"Collectives run as rings at {d.link_fraction:.0%} of the link bandwidth: all-reduce "
+        f"below; the {d.hbm_fraction:.0%}: {d.source_of('hbm_fraction')}).",
+        f"Collectives run as rings at {d.link_fraction:.0%} of the link bandwidth "
+        f"({d.source_of('link_fraction')}): all-reduce "
         f"sends 2(n-1)/n of its bytes, all-gather (n-1)/n of its gathered output, reduce-scatter "
         f"and all-to-all (n-1)/n of their operand, collective-permute its operand once; each op "
         f"starts at {d.op_latency * 1e6:g} us and each ring step waits one hop ({d.intra_latency * 1e6:g} us over {d.intra_link}, "

@@ -31,6 +31,15 @@ HBM_FRACTION = 0.8
 # Links: NCCL's all-reduce bus bandwidth reaches about 80% of NVLink's per-direction figure and
 # 85-90% of a 400 Gb/s InfiniBand NIC's; XLA's ICI collectives land in the same range.
 LINK_FRACTION = 0.8
+# Where each default comes from, as the step-time model prints it beside the figure.
+DEFAULT_SOURCES = {
+    "matmul_fraction": "spmdkit's default: large bf16 GEMMs sustain 65-75% of the dense peak, and "
+    "MaxText and torchtitan report 40-60% MFU for Llama-class models; not yet calibrated on a "
+    "GPU (python -m benchmarks.calibrate measures it)",
+    "hbm_fraction": "spmdkit's default: streaming kernels reach 80-90% of the datasheet bandwidth",
+    "link_fraction": "spmdkit's default: NCCL's bus bandwidth reaches about 80% of NVLink's "
+    "per-direction figure and 85-90% of a 400 Gb/s NIC's",
+}
 
 GIB = 2**30
 # What XLA's compiler for each platform does to a step that the step-time model prices.
@@ -104,6 +113,15 @@ class DeviceSpec:
             )
         return peaks[dtype]
 
+    def source_of(self, fraction: str) -> str:
+        """Where a fraction (``"matmul_fraction"``, ``"hbm_fraction"``, ``"link_fraction"``)
+        comes from: spmdkit's default and its grounds, or this profile's source."""
+        default = {"matmul_fraction": MATMUL_FRACTION, "hbm_fraction": HBM_FRACTION,
+                   "link_fraction": LINK_FRACTION}[fraction]  # fmt: skip
+        if getattr(self, fraction) == default:
+            return DEFAULT_SOURCES[fraction]
+        return f"the profile's: {self.source or self.name}"
+
     def describe(self) -> str:
         """One line with the figures a step time rests on."""
         return (
@@ -171,6 +189,7 @@ def _check_values(name: str, values: dict[str, Any]) -> None:
 
 def _nvidia(name: str, kind: str, **figures: Any) -> DeviceSpec:
     """A DGX/HGX-style node of 8 GPUs; peaks from `sharding.inspection.PEAK_FLOPS`."""
+    figures["source"] += "; latencies: NCCL's tuning model (src/graph/tuning.cc)"
     return DeviceSpec(
         name=name,
         peak_bf16=device_peak(kind, "bfloat16"),
@@ -190,6 +209,7 @@ def _nvidia(name: str, kind: str, **figures: Any) -> DeviceSpec:
 
 def _tpu(name: str, kind: str, **figures: Any) -> DeviceSpec:
     """A TPU slice: "node" is the ICI domain, data-centre network (DCN) between slices."""
+    figures["source"] += "; latencies: orders of magnitude (an ICI hop ~1 us, DCN tens of us)"
     peak = device_peak(kind, "bfloat16")  # float32 runs one bf16 pass at DEFAULT precision
     return DeviceSpec(
         name=name,
