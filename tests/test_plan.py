@@ -18,6 +18,7 @@ from sharding.costmodel import (
     CostModelError,
     NoFittingStrategyError,
     candidates,
+    expected_error,
     meshes,
     predict,
     step_time,
@@ -152,6 +153,10 @@ def test_plan_api_overrides_layers_and_notes_a_skipped_aot():
     assert {c.layout.strategy for c in result.ranked} == {"dp", "fsdp", "pp"}
     assert "AOT skipped: 8 devices here, not 16" in result.to_dict()["assumptions"]
     assert json.loads(result.to_json())["layers"] == 2
+    # the error to expect, from the published runs of the top layout's kind
+    top = result.ranked[0]
+    said = [a for a in result.assumptions if a.startswith("Expected error")]
+    assert said == [expected_error(top.layout.sizes).sentence()]
     console = Console(width=200, record=True)
     console.print(result.table())
     text = console.export_text()

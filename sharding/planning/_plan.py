@@ -25,6 +25,7 @@ from sharding.costmodel import (
     CostModelError,
     Estimate,
     candidates,
+    expected_error,
     memory_budget,
     strategy_names,
 )
@@ -233,9 +234,13 @@ def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, 
 def _top_assumptions(ranked: list[Estimate]) -> list[str]:
     """`step_time`'s assumptions, every figure used, as it priced the top layout."""
     top = ranked[0]
+    known = expected_error(top.layout.sizes)
+    error = known.sentence() if known else (
+        f"Expected error: unknown; no published run of this kind ({top.mesh_text}) has been "
+        f"priced yet.")  # fmt: skip
     return [f"Step times by sharding.costmodel.step_time; its assumptions, with the figures of "
             f"the top layout ({top.label} on {top.mesh_text}, remat {top.remat}):",
-            *top.predicted.assumptions]  # fmt: skip
+            *top.predicted.assumptions, error]  # fmt: skip
 
 
 def _workload(model: Any, size: str | None, cfg: Any, layers: int | None) -> Workload:
