@@ -186,3 +186,15 @@ def test_every_fraction_names_where_it_comes_from(tmp_path):
     spec = load_profile(_profile(tmp_path, 'matmul_fraction = 0.7\nsource = "our GEMM runs"'))
     assert spec.source_of("matmul_fraction") == "the profile's: our GEMM runs"
     assert spec.source_of("link_fraction").startswith("spmdkit's default")
+
+
+def test_lanes_run_in_lock_step_for_other_stages_are_bubble():
+    # pp_tp: collectives inside the lanes, so every stage runs a lane whenever any stage does.
+    pred = predict(models.llama, "tiny", "pp_tp", {"stage": 2, "tensor": 2, "data": 2}, 16, 32,
+                   pipeline=("1f1b", 4, 1))  # fmt: skip
+    assert pred.pipeline["lockstep"]
+    work = work_from_prediction(pred)
+    # the critical path prices lock-step ticks; the busiest stage's own actions are its work
+    assert work.matmul_flops == pred.critical_flops
+    assert work.bubble_flops == pred.critical_flops - pred.matmul_flops > 0
+    assert step_time(work, "h100").bubble_s > 0

@@ -70,7 +70,8 @@ class TickCosts:
 
     Attributes:
         critical: sum over ticks of the slowest stage's work (the step's pipeline time).
-        busiest: the most work any one stage does (its compute, bubble excluded).
+        busiest: the most work any one stage does (its own actions; in lock-step the lanes it
+            runs for other stages count as bubble).
         ticks: the slowest stage's work in each tick (the backward scan's after the forward's
             for gpipe and circular).
     """
@@ -201,6 +202,8 @@ class Schedule:
             27.0
             >>> make_schedule(4, 8, "zb-h1").tick_costs(1.0, 1.0, 1.0, lockstep=True).critical
             62.0
+            >>> make_schedule(4, 8, "zb-h1").tick_costs(1.0, 1.0, 1.0, lockstep=True).busiest
+            24.0
         """
         p, r = self.stages, self.repeats
         f, b, w = (_per_stage(x, p, n) for x, n in
@@ -212,10 +215,12 @@ class Schedule:
         # against [kinds, stages] costs: each tick's work per stage.
         counts, union = self._kind_counts
         c = np.array([cost[k] for k in KINDS_PRICED], dtype=float)
-        work = (np.einsum("tk,ks->ts", union, c) if lockstep
-                else np.einsum("tsk,ks->ts", counts, c)) / r  # fmt: skip
+        own = np.einsum("tsk,ks->ts", counts, c) / r  # each stage's own actions
+        # in lock-step a tick costs every stage each kind any stage runs: the rest of it is
+        # bubble, as a gpipe tick on zeros is
+        work = np.einsum("tk,ks->ts", union, c) / r if lockstep else own
         per_tick = work.max(axis=1)
-        return TickCosts(float(per_tick.sum()), float(work.sum(axis=0).max()),
+        return TickCosts(float(per_tick.sum()), float(own.sum(axis=0).max()),
                          tuple(float(x) for x in per_tick))  # fmt: skip
 
     @cached_property
