@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sharding.costmodel._sequence import splits_sequence_over_tensor
+
 SCORE_BYTES = 4  # scores and softmax in float32 (models.attention's reference kernel)
 LOSS_BYTES = 4  # float32 logits in the loss (models.layers.cross_entropy)
 # Passes over the score matrix: (float32 ones, compute-dtype ones), forward and backward.
@@ -48,16 +50,13 @@ def _modules(s: Any, name: str) -> int:
 def layer_elements(s: Any) -> tuple[float, float, float]:
     """(forward, backward, score elements) one layer moves per local token on one device;
     scores are 0 under a flash kernel."""
-    from sharding.costmodel._predict import _split
-    from sharding.costmodel._sequence import splits_sequence_over_tensor
-
     cfg, t = s.cfg, s.sizes["tensor"]
     hw = cfg.d_model / (t if splits_sequence_over_tensor(s) else 1)
     mlp = [q for q in s.params if q.role == "layer" and len(q.shape) >= 3
            and q.logical[-1] == "mlp"]  # fmt: skip
     # an expert kernel [L, E, D, F] runs on its E experts' capacity slots (expert_share of each)
     slots = getattr(cfg, "n_experts", None) or 1
-    fw = cfg.d_ff / _split(s, "mlp") * slots * s.expert_share if mlp else 0.0
+    fw = cfg.d_ff / s.split("mlp") * slots * s.expert_share if mlp else 0.0
     gated = len({q.path for q in mlp}) > 1
     norms = max(_modules(s, "scale"), 1)
     fwd = norms * (2 + 3) * hw + (3 if gated else 2) * fw
@@ -65,8 +64,8 @@ def layer_elements(s: Any) -> tuple[float, float, float]:
     if hasattr(cfg, "rope_theta"):
         head_dim = getattr(cfg, "head_dim", cfg.d_model // cfg.n_heads)
         width = (cfg.n_heads + getattr(cfg, "n_kv_heads", cfg.n_heads)) * head_dim
-        fwd, bwd = fwd + 2 * width / _split(s, "heads"), bwd + 2 * width / _split(s, "heads")
-    scores = 0.0 if s.flash else cfg.n_heads / _split(s, "heads") * s.attention_keys
+        fwd, bwd = fwd + 2 * width / s.split("heads"), bwd + 2 * width / s.split("heads")
+    scores = 0.0 if s.flash else cfg.n_heads / s.split("heads") * s.attention_keys
     return fwd, bwd, scores
 
 

@@ -160,13 +160,6 @@ class Prediction:
         return Group(head, table, mem, *(Text(n, style="dim") for n in self.notes))
 
 
-def _split(s: Setup, logical_name: str) -> int:
-    """The tensor split of a logical axis of the layer kernels (1 when unsplit)."""
-    t = s.sizes["tensor"]
-    hit = any(logical_name in q.logical and "tensor" in q.axes for q in s.params)
-    return t if hit else 1
-
-
 def _column_width(s: Setup, experts: bool = True) -> float:
     """Per device and token, the summed output widths of the layer kernels that read d_model
     (an expert kernel ``[L, E, D, F]`` counts the experts' slots a token fills on average;
@@ -204,7 +197,7 @@ def _dots_saved(s: Setup, tokens: int) -> float:
 
 def _layer_activations(s: Setup, tokens: int) -> float:
     """Bytes one layer saves for backward for ``tokens`` tokens on one device, without remat."""
-    heads = s.cfg.n_heads / _split(s, "heads")
+    heads = s.cfg.n_heads / s.split("heads")
     per_token = s.act_bytes * (
         SAVED_MODEL_WIDTHS * s.cfg.d_model + SAVED_COLUMN_OUTPUTS * _column_width(s)
     )

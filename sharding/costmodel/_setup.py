@@ -65,6 +65,11 @@ class Setup:
         pad = self.cfg.n_layers / self.layers if self.layers else 1.0
         return int(sum(q.size / (pad if q.role == "layer" else 1) for q in self.params))
 
+    def split(self, logical_name: str) -> int:
+        """The tensor split of a logical axis of the layer kernels (1 when unsplit)."""
+        hit = any(logical_name in q.logical and "tensor" in q.axes for q in self.params)
+        return self.sizes["tensor"] if hit else 1
+
     @property
     def rows(self) -> int:
         """Sequences per device: the batch over its axes (data, fsdp, expert)."""
