@@ -69,6 +69,11 @@ def test_accumulated_all_reduces_run_once_after_the_loop_where_xla_sinks_them():
     assert g.exposed_s == g.time_s == pytest.approx(1.44e9 / NVLINK + OP + 2 * HOP)
     # the reduce-scatters stay in the loop (their code motion is off by default), hidden
     assert (r.bytes, r.count, r.overlap, r.exposed_s) == (4e8, 4, "grad", 0)
+    # so does an all-reduce over fsdp: the CPU program's reduce-scatter (a slice of its sum),
+    # which XLA for GPU turns into one before it sinks anything
+    fsdp_ar = CollectiveWork("all-reduce", ("fsdp",), 4 * 1e8, 4)
+    (f,) = step_time(_work(mesh=mesh, collectives=[fsdp_ar], accum=4), "h100").collectives
+    assert (f.bytes, f.count, f.overlap) == (4e8, 4, "grad")
     assert (t.bytes, t.count) == (3.6e8, 8)
     assert any("they run once per step, after the loop, exposed" in a for a in gpu.assumptions)
     # XLA for TPU is not documented to sink them: the count the program shows, behind compute.

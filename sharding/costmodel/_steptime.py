@@ -50,9 +50,11 @@ _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
 
 
 def _sunk(c: CollectiveWork) -> bool:
-    """A gradient all-reduce over data/fsdp, summed into the accumulation buffer each micro-step:
-    what XLA for GPU moves out of the micro-step loop (`sharding.targets.PLATFORMS`)."""
-    return c.axes is not None and set(c.axes) <= OVERLAP_AXES and c.kind == "all-reduce"
+    """A gradient all-reduce over data, summed into the accumulation buffer each micro-step: what
+    XLA for GPU moves out of the micro-step loop (`sharding.targets.PLATFORMS`). One over fsdp
+    ends in a slice of the sum (the CPU program's reduce-scatter), which XLA for GPU makes a
+    reduce-scatter first (ReduceScatterCreator), and that stays in the loop."""
+    return c.axes == ("data",) and c.kind == "all-reduce"
 
 
 class StepTimeError(CostModelError):

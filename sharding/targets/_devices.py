@@ -47,7 +47,8 @@ GIB = 2**30
 # WhileLoopAllReduceCodeMotion after SPMD partitioning (xla/service/gpu/gpu_compiler.cc), which
 # moves an all-reduce whose result is only added into a loop-carried buffer out of the loop:
 # gradient accumulation's data-parallel all-reduces run once, after the micro-step loop, where
-# no compute is left to hide them. Its reduce-scatters (fsdp) move only under
+# no compute is left to hide them. Its reduce-scatters (fsdp; ReduceScatterCreator, earlier in
+# the same pipeline, makes them from an all-reduce and its slice) move only under
 # xla_gpu_enable_while_loop_reduce_scatter_code_motion, off by default and not set by spmdkit,
 # so they stay in the loop, each hidden behind its micro-step's backward. XLA:CPU does not sink
 # them (measured: dp's all-reduce k-fold over k micro-steps), nor is it documented for TPU, which
