@@ -19,19 +19,13 @@ from typing import Any
 from sharding._errors import SpmdkitError
 from sharding.inspection import device_peak
 
-# Defaults of the achievable fractions (every one is printed with the step times it produces).
-# Matmuls: large bf16 GEMMs of transformer shapes sustain 65-75% of the dense peak on H100 and
-# TPU v5p (clocks drop under power limits); smaller per-device shapes, attention's kernels (priced
-# at this rate too) and kernel launches pull a step's average lower: MaxText and torchtitan report
-# 40-60% MFU for Llama-class models, the rest being communication, bubbles and the non-matmul
-# operations' memory traffic, priced apart.
+# Defaults of the achievable fractions, each printed with the step times it produces beside its
+# grounds (`DEFAULT_SOURCES`). Matmuls: clocks drop under power limits, and smaller per-device
+# shapes, attention's kernels (priced at this rate) and kernel launches pull a step's average
+# below what large GEMMs sustain. Links: XLA's ICI collectives land in NCCL's range too.
 MATMUL_FRACTION = 0.6
-# HBM: streaming kernels (copies, optimizer updates) reach 80-90% of the datasheet bandwidth.
 HBM_FRACTION = 0.8
-# Links: NCCL's all-reduce bus bandwidth reaches about 80% of NVLink's per-direction figure and
-# 85-90% of a 400 Gb/s InfiniBand NIC's; XLA's ICI collectives land in the same range.
 LINK_FRACTION = 0.8
-# Where each default comes from, as the step-time model prints it beside the figure.
 DEFAULT_SOURCES = {
     "matmul_fraction": "spmdkit's default: large bf16 GEMMs sustain 65-75% of the dense peak, and "
     "MaxText and torchtitan report 40-60% MFU for Llama-class models; not yet calibrated on a "
