@@ -58,9 +58,11 @@ def config(arch: dict[str, Any], name: str, seq: int) -> tuple[Any, Any]:
 
 
 def kind(layout: dict[str, Any]) -> str:
-    """The layout's kind for the picture: pipeline, tensor, fsdp or data parallel."""
-    return ("pipeline" if layout.get("stage", 1) > 1 else "tensor" if layout.get("tensor", 1) > 1
-            else "fsdp" if layout.get("fsdp", 1) > 1 else "data")  # fmt: skip
+    """The layout's kind (`sharding.costmodel.layout_kind`: the key of compare's expected
+    error): pipeline, tensor, fsdp or data parallel."""
+    from sharding.costmodel import layout_kind
+
+    return layout_kind({k: v for k, v in layout.items() if isinstance(v, int)})
 
 
 def layout_text(layout: dict[str, Any]) -> str:

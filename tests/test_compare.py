@@ -233,7 +233,7 @@ def test_compare_finds_the_cnn_hybrid_beside_pure_dp():
     assert "weights tensor(2)" in hybrid.split
     # no closed form for the CNN: its memory-bound work is the optimizer update, and it says so
     assert dp.predicted_work.elementwise_bytes == 0
-    assert any("a model without a closed form" in n for n in dp.predicted_work.notes)
+    assert any("charged at the matmul rate" in n for n in dp.predicted_work.notes)
 
 
 def test_a_compiled_candidate_moves_the_closed_forms_elementwise_bytes():

@@ -4,9 +4,11 @@ composition at long sequences, and a record of each layout searched and not pric
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+from rich.console import Console
 
 import models
 from sharding.cli import main
@@ -33,7 +35,6 @@ def test_pipelines_with_uneven_stages_are_searched(planned):
 
 def test_every_rejected_layout_says_why(planned):
     searched = planned.to_dict()["searched"]
-    assert searched["layouts"] == searched["priced"] + len(searched["rejected"])
     assert searched["rejected"] and all(r["reason"] for r in searched["rejected"])
     reasons = {r["mesh"]: r["reason"] for r in searched["rejected"]}
     assert reasons["fsdp=16,tensor=16"] == ("tensor=16 spans nodes of 8: its per-layer "
@@ -53,12 +54,20 @@ def test_layouts_the_rules_or_layers_cannot_take_are_listed_with_the_error():
 
 
 def test_the_train_command_runs_the_best_layout_with_even_stages(planned):
+    # here the best layout has even stages (none): both commands run it
+    best = planned.ranked[0]
     data = planned.to_dict()
-    if planned.ranked[0].layout.stage_layers:
-        assert data["train_command"] is None
-    even = data["train_command_even_stages"]
-    assert even.startswith("spmdkit train --model llama --size 3.1-405b --strategy ")
-    assert "--strategy fsdp+tp+sp+cp+pp" not in even or "--mesh stage=2," in even
+    assert best.layout.stage_layers is None
+    assert data["train_command"] == data["train_command_even_stages"] == planned.train_command(1)
+    assert data["train_command"].startswith(
+        f"spmdkit train --model llama --size 3.1-405b --strategy {best.layout.strategy} "
+        f"--mesh {best.layout.mesh} --batch 256 --seq 8192 --accum {best.accum}")  # fmt: skip
+    # with an uneven layout ranked first, train cannot run it: the best even one's command
+    rank, uneven = next((i, c) for i, c in enumerate(planned.ranked, 1) if c.layout.stage_layers)
+    assert planned.train_command(rank) is None
+    first = dataclasses.replace(planned, ranked=[uneven, *planned.ranked])
+    assert first.to_dict()["train_command"] is None
+    assert first.to_dict()["train_command_even_stages"] == planned.train_command(1)
 
 
 def test_the_every_split_composition_is_searched_at_long_sequences():
@@ -85,14 +94,13 @@ def test_any_composition_can_be_named():
         "stage=2,data=2,fsdp=2,context=2,tensor=2"]  # fmt: skip
 
 
-def test_plan_json_lists_the_search(tmp_path, capsys):
+def test_plan_json_lists_the_search(planned, capsys):
     assert main(["plan", "--model", "llama", "--size", "3.1-405b", "--target", "h100:32x8",
                  "--batch", "256", "--seq", "8192", "--aot", "0", "--strategies",
                  ",".join(STRATEGIES), "--json"]) == 0  # fmt: skip
     data = json.loads(capsys.readouterr().out)
+    assert data["searched"] == planned.to_dict()["searched"]
     assert data["searched"]["priced"] > 0 and data["searched"]["rejected"]
-    assert main(["plan", "--model", "llama", "--size", "3.1-405b", "--target", "h100:32x8",
-                 "--batch", "256", "--seq", "8192", "--aot", "0", "--strategies",
-                 ",".join(STRATEGIES), "--top", "3"]) == 0  # fmt: skip
-    out = capsys.readouterr().out
-    assert "rejected, each with its reason in --json" in " ".join(out.split())
+    console = Console(width=200, record=True)
+    console.print(planned.table())
+    assert "rejected, each with its reason in --json" in " ".join(console.export_text().split())

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 
 import models
+from benchmarks import plan_time
 from sharding.costmodel import predict
 from sharding.pipeline import LayerCountError, StageLayersError
 
@@ -58,18 +59,10 @@ def test_a_stack_that_does_not_split_evenly_names_uneven_stages():
                 8192, pipeline=("1f1b", 16, 1))  # fmt: skip
 
 
-# The published layouts of issue 36 (Llama 3 405B's long-context stage on 16,384 H100;
-# Megatron's 70B with interleaving; torchtitan's 405B; 70 layers on 12 stages; interleaved with
-# full recompute): (family size, strategy, mesh, batch, seq, pipeline, remat).
+# The published layouts of issue 36, as benchmarks/plan_time.py times them: (size, strategy,
+# mesh, batch, seq, pipeline, remat), a size given as a layer count being Llama 70B cut to it.
 PUBLISHED = [
-    ("3.1-405b", "fsdp+tp+sp+cp+pp", {"tensor": 8, "context": 16, "stage": 16, "fsdp": 8}, 128,
-     131072, ("1f1b", 16, 1, "auto"), "full"),
-    ("70b", "tp+sp+cp+pp", {"tensor": 4, "context": 2, "stage": 4, "data": 2}, 32, 8192,
-     ("interleaved", 16, 5), "none"),
-    ("3.1-405b", "fsdp+tp+pp", {"fsdp": 8, "tensor": 8, "stage": 8}, 128, 8192,
-     ("1f1b", 16, 1, "auto"), "full"),
-    (L70, "pp", {"stage": 12, "data": 2}, 48, 4096, ("1f1b", 24, 1, "auto"), "none"),
-    ("70b", "pp_tp", {"stage": 4, "tensor": 2}, 16, 4096, ("interleaved", 8, 2), "full"),
+    (L70 if size == 70 else size, *rest) for _, size, *rest in plan_time.PUBLISHED
 ]  # fmt: skip
 
 

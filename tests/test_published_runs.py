@@ -3,8 +3,12 @@ run of its data file on the run's exact layout, and only the benchmark reads tha
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
+
+import pytest
 
 from benchmarks import published_runs
 from sharding.costmodel import ACCURACY_FILE, expected_error, layout_kind
@@ -12,9 +16,17 @@ from sharding.costmodel import ACCURACY_FILE, expected_error, layout_kind
 ROOT = Path(__file__).parent.parent
 
 
-def test_every_published_run_is_priced_or_says_why(tmp_path, capsys):
-    assert published_runs.main(["--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "published_runs.json").read_text())
+@pytest.fixture(scope="module")
+def benchmark(tmp_path_factory):
+    """One run of the benchmark: (its output folder, its JSON, what it printed)."""
+    out = tmp_path_factory.mktemp("published_runs")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert published_runs.main(["--out", str(out)]) == 0
+    return out, json.loads((out / "published_runs.json").read_text()), printed.getvalue()
+
+
+def test_every_published_run_is_priced_or_says_why(benchmark):
+    out, data, printed = benchmark
     runs = published_runs.load()["run"]
     assert len(data["rows"]) + len(data["unpriced"]) == len(runs) == 26
     assert {u["id"] for u in data["unpriced"]} == {"TT1", "TT3"}
@@ -26,12 +38,12 @@ def test_every_published_run_is_priced_or_says_why(tmp_path, capsys):
     stats = data["summary"]
     assert stats["worst_abs_error"] == errors[-1] and stats["priced"] == 24
     assert stats["within_15"] == sum(e <= 0.15 for e in errors) / 24
-    assert (tmp_path / "published_runs.png").stat().st_size > 10_000
+    assert (out / "published_runs.png").stat().st_size > 10_000
     # runs held out of the model's derivation are priced apart, by the same public calls
     held = data["held_out"]
     assert [r["id"] for r in held["rows"]] == ["MX1"] and held["unpriced"] == []
     assert held["summary"]["priced"] == 1 and held["rows"][0]["kind"] == "fsdp"
-    assert "median |error|" in capsys.readouterr().out
+    assert "median |error|" in printed
 
 
 def test_a_run_is_priced_on_its_own_layout():
@@ -51,11 +63,10 @@ def test_only_the_benchmark_reads_the_published_runs():
     assert library and not [p for p in library if "published_runs" in p.read_text()]
 
 
-def test_the_shipped_accuracy_is_the_benchmarks_own(tmp_path):
+def test_the_shipped_accuracy_is_the_benchmarks_own(benchmark):
     """compare quotes `sharding.costmodel.expected_error`, read from the table this benchmark
     writes; a model change that moves the errors must rewrite it (``--accuracy``)."""
-    assert published_runs.main(["--out", str(tmp_path)]) == 0
-    fresh = json.loads((tmp_path / "published_runs.json").read_text())["accuracy"]
+    fresh = benchmark[1]["accuracy"]
     shipped = json.loads(ACCURACY_FILE.read_text())
     assert shipped == fresh, "stale: run python -m benchmarks.published_runs --accuracy"
     assert set(shipped["kinds"]) == {"data", "fsdp", "tensor", "pipeline"}

@@ -91,6 +91,8 @@ def test_platform_of_a_profile(tmp_path):
     assert load_profile(_profile(tmp_path, "")).platform == "gpu"
     with pytest.raises(TargetProfileError, match=r"platform='npu' \(one of 'gpu', 'tpu'\)"):
         load_profile(_profile(tmp_path, 'platform = "npu"'))
+    with pytest.raises(TargetProfileError, match=r"platform=\['gpu'\] \(one of 'gpu', 'tpu'\)"):
+        load_profile(_profile(tmp_path, 'platform = ["gpu"]'))
 
 
 def _profile(tmp_path, extra: str):
@@ -185,6 +187,10 @@ def test_every_fraction_names_where_it_comes_from(tmp_path):
     assert "the 60%: spmdkit's default: large bf16 GEMMs sustain 65-75%" in text
     assert "the 80%: spmdkit's default: streaming kernels reach 80-90%" in text
     assert "(spmdkit's default: NCCL's bus bandwidth reaches about 80%" in text
+    assert "Overlap (80%: spmdkit's default: the first layer's gather" in text
+    assert "Overlap (50%: as given)" in " ".join(
+        step_time(_work(), "h100", overlap=0.5).assumptions
+    )
     assert PROFILES["v5p"].source.endswith("latencies: orders of magnitude (an ICI hop ~1 us, "
                                            "DCN tens of us)")  # fmt: skip
     # a profile's own fraction is the profile's

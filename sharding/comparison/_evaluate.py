@@ -24,7 +24,6 @@ import optax
 
 from sharding._init import state_bytes
 from sharding._mesh import mesh_text
-from sharding._units import fmt_bytes
 from sharding._workload import Workload
 from sharding.costmodel import (
     CostModelError,
@@ -173,25 +172,12 @@ def evaluate(
     report = program.report()
     tokens = settings.batch * (settings.seq or 1)
     piped = program.schedule is not None
-    memory_bound = None
-    if (elementwise := elementwise_of(layout, work, settings, dtype, remat, accum)) is not None:
-        args = 0.0 if report.memory is None else report.memory.argument
-        memory_bound = 2.0 * args + elementwise
     sw = work_from_report(report, tokens=tokens, dtype=dtype, unit=work.unit,
                           model_flops=useful_flops, schedule=program.schedule,
                           hlo_text=program.compiled.as_text() if piped else None, remat=remat,
                           stage_layers=program.pipeline.stage_layers if piped else None,
-                          accum=accum, memory_bound_bytes=memory_bound)  # fmt: skip
-    if elementwise is not None:
-        sw.elementwise_bytes = elementwise
-        sw.notes.append(f"Memory-bound bytes: the optimizer update reads and writes the train "
-                        f"state once (2 x the program's argument bytes), and the non-matmul work "
-                        f"moves {fmt_bytes(elementwise)} (the closed form's count, "
-                        f"sharding.costmodel.predict's elementwise_bytes).")  # fmt: skip
-    else:
-        sw.notes.append("Memory-bound work: the optimizer update only; a model without a closed "
-                        "form (Workload.family) has its norms, activations and softmax charged "
-                        "at the matmul rate through the matmul fraction.")  # fmt: skip
+                          accum=accum, elementwise_bytes=elementwise_of(
+                              layout, work, settings, dtype, remat, accum))  # fmt: skip
     by_axes = [{"kind": k, "axes": list(a or ()), "count": s.count, "bytes": s.bytes}
                for (k, a), s in report.summary(by_axes=True).items()]  # fmt: skip
     candidate = Candidate(

@@ -17,7 +17,7 @@ from rich.table import Table
 from sharding._units import fmt_bytes, fmt_count
 from sharding.comparison._errors import NoStrategyFitsError, NothingMeasuredError
 from sharding.comparison._evaluate import Candidate
-from sharding.costmodel import CollectiveWork, StepTime, expected_error, step_time
+from sharding.costmodel import CollectiveWork, StepTime, error_to_expect, step_time
 from sharding.targets import Target
 
 __all__ = ["Recommendation", "comparison_table", "rank", "recommend", "scaled"]
@@ -185,10 +185,7 @@ def recommend(
         f"{fmt_bytes(best.memory_bytes)} per device."
     ]
     if not measured:
-        known = expected_error(best.mesh_sizes)
-        lines.append(known.sentence() if known is not None else (
-            f"Expected error: unknown; no published run of this kind ({best.mesh}) has been "
-            f"priced yet."))  # fmt: skip
+        lines.append(error_to_expect(best.mesh_sizes))
     hbm = target.device.hbm_bytes
     one = unsplit_state <= budget
     lines.append(

@@ -12,7 +12,13 @@ package and `sharding.comparison`, compiles estimates beside their formula and r
 """
 
 from sharding._attention import live_fraction
-from sharding.costmodel._accuracy import ACCURACY_FILE, Accuracy, expected_error, layout_kind
+from sharding.costmodel._accuracy import (
+    ACCURACY_FILE,
+    Accuracy,
+    error_to_expect,
+    expected_error,
+    layout_kind,
+)
 from sharding.costmodel._batching import (
     accumulated,
     micro_steps,
@@ -96,6 +102,7 @@ __all__ = [
     "accumulated",
     "called_for",
     "candidates",
+    "error_to_expect",
     "expected_error",
     "few_layouts",
     "lane_runs",

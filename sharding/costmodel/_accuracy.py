@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from sharding._mesh import mesh_text
+
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 NAMES = {"pipeline": "pipeline-parallel", "tensor": "tensor-parallel", "fsdp": "FSDP",
          "data": "data-parallel"}  # fmt: skip
@@ -72,4 +74,13 @@ def expected_error(mesh: dict[str, int]) -> Accuracy | None:
                     table["source"], table["runs"])  # fmt: skip
 
 
-__all__ = ["ACCURACY_FILE", "Accuracy", "expected_error", "layout_kind"]
+def error_to_expect(mesh: dict[str, int]) -> str:
+    """`expected_error`'s sentence for ``mesh``, or that no published run of its kind says."""
+    known = expected_error(mesh)
+    if known is not None:
+        return known.sentence()
+    return (f"Expected error: unknown; no published run of this kind ({mesh_text(mesh)}) has "
+            f"been priced yet.")  # fmt: skip
+
+
+__all__ = ["ACCURACY_FILE", "Accuracy", "error_to_expect", "expected_error", "layout_kind"]

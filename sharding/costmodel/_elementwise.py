@@ -81,9 +81,7 @@ def elementwise_bytes(s: Any, rows: int) -> float:
     attention = scores * (f32 * SCORE_BYTES + narrow * s.act_bytes)
     tokens = rows * s.local_seq
     layers = s.cfg.n_layers / s.sizes["stage"]
-    vocab = s.cfg.vocab_size / (s.sizes["tensor"] if any(
-        "tensor" in q.axes for q in s.params if q.role in ("head", "table")) else 1)  # fmt: skip
-    return tokens * (layers * (dense + attention) + LOSS_PASSES * LOSS_BYTES * vocab)
+    return tokens * (layers * (dense + attention) + LOSS_PASSES * LOSS_BYTES * s.vocab)
 
 
 __all__ = ["elementwise_bytes", "layer_elements"]

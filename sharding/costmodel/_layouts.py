@@ -24,8 +24,9 @@ from sharding.pipeline import EXPLICIT, PipelineSpec
 ORDER = ("dp", "fsdp", "tp", "dp_tp", "fsdp_tp", "pp", "pp_tp", "pp_fsdp", "tp_sp", "fsdp_tp_sp",
          "cp", "fsdp_cp", "cp_tp_sp", "ep", "fsdp_ep", "ep_tp", "fsdp+tp+pp")  # fmt: skip
 DEFAULT = ORDER[:8]  # what every model is offered when no strategy is named
-# Compositions without a name that compare and plan price, plan's search beside DEFAULT: ZeRO-3 in
-# tensor-split stages, the largest dense runs' layout (torchtitan 405B: fsdp 8 x tensor 8 x pp 8).
+# Compositions without a name that plan's search tries beside DEFAULT (any composition can be
+# named): ZeRO-3 in tensor-split stages, the largest dense runs' layout (torchtitan 405B: fsdp 8
+# x tensor 8 x pp 8).
 PRICED_COMPOSITIONS = ("fsdp+tp+pp",)
 # From this sequence length on, compare and plan also offer the sequence splits to a model whose
 # attention can run split (Megatron SP, context parallelism): below it attention's activations
@@ -139,7 +140,8 @@ def called_for(work: Any, seq: int | None) -> tuple[str, ...]:
 
 
 def strategy_names(strategies: str | Sequence[str] | None, extra: Sequence[str] = ()) -> list[str]:
-    """The strategies asked for (a comma list or a sequence), in `ORDER`, once each.
+    """The strategies asked for (a comma list or a sequence), once each: named ones in `ORDER`,
+    then compositions without a name as given.
 
     None: `DEFAULT` plus ``extra``, the strategies the model calls for (`called_for`); the
     others run when named.
@@ -223,10 +225,13 @@ def layouts(
     factorisation of the devices the strategy's rules can use (``tp`` and ``dp_tp`` one map,
     named by the data axis), pipelines under gpipe, 1f1b, zb-h1 and (where each stage's layers
     split in 2) interleaved with the most micro-batches of 4p, 2p, p that ``batch`` splits into. With ``mesh`` every strategy
-    runs on that one mesh. A pipeline needs its stages (times repeats) to divide ``n_layers``;
-    given ``batch``, compare's pipelines take 2 x stages micro-batches, or stages, whichever the
+    runs on that one mesh. compare's pipelines need their stages (times repeats) to divide
+    ``n_layers``; the search's take uneven stages (``stage_layers="auto"``) where they do not.
+    Given ``batch``, compare's pipelines take 2 x stages micro-batches, or stages, whichever the
     batch splits into. With ``per_node`` (devices per node of a multi-node target) the tensor
     strategies are also tried with tensor spanning one node, the data or fsdp axis across nodes.
+    ``rejected``, a list, receives ``{"layout", "mesh", "reason"}`` for each searched layout
+    left out.
 
     Example:
         >>> [x.label for x in layouts(8, 4, strategies="dp,pp")]  # doctest: +NORMALIZE_WHITESPACE
@@ -317,7 +322,8 @@ def _no_pipeline(sizes: dict[str, int], n_layers: int, batch: int | None) -> str
 
 def _searched_pipelines(
     sizes: dict[str, int], n_layers: int, batch: int | None
-) -> list[tuple[str, int, int, dict[str, int]]]:
+) -> list[tuple[str, int, int, dict[str, int], str | None]]:
+    """``(schedule, microbatches, repeats, sizes, stage_layers)`` of each pipeline searched."""
     from sharding.costmodel._batching import pipeline_microbatches
 
     p = sizes["stage"]

@@ -89,15 +89,16 @@ def split_pipeline_traffic(s: Any) -> list[Traffic]:
     """Every collective of one training step of setup ``s`` (see `splits_inside_stages`).
 
     Raises:
-        CostModelError: ``s`` does not pipeline such a split, or pipelines it in a way not
-            modelled in closed form: an explicit schedule with experts, fsdp or remat; experts
-            over fsdp, or over tensor with remat or an expert axis.
+        CostModelError: ``s`` is not such a setup (`splits_inside_stages`), or pipelines it in a
+            way not modelled in closed form: an explicit schedule with experts; experts over
+            fsdp, or over tensor with remat or an expert axis.
     """
     if not splits_inside_stages(s):
         raise CostModelError(
             f"split_pipeline_traffic: strategy {s.strategy!r} with schedule "
-            f"{getattr(s.schedule, 'name', None)!r} on mesh {_mesh_text(s.sizes)} does not "
-            f"pipeline a sequence or expert split (context, SP on tensor, experts); price it with "
+            f"{getattr(s.schedule, 'name', None)!r} on mesh {_mesh_text(s.sizes)} neither runs an "
+            f"explicit schedule nor pipelines a sequence or expert split (context, SP on tensor, "
+            f"experts); price it with "
             f"sharding.costmodel.predict"
         )
     sched, sz = s.schedule, s.sizes

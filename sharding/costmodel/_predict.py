@@ -309,10 +309,8 @@ def predict(
             for q in s.params
             if q.role == "layer"
         )
-    vocab = cfg.vocab_size / (sz["tensor"] if any(
-        "tensor" in q.axes for q in s.params if q.role in ("head", "table")) else 1)  # fmt: skip
     narrow = s.act_bytes if s.act_bytes < 4 else 0  # the head's bfloat16 output, kept too
-    logits = rows * seq * vocab * (LOGIT_F32_COPIES * 4 + narrow)
+    logits = rows * seq * s.vocab * (LOGIT_F32_COPIES * 4 + narrow)
     sched = s.schedule
     if sched is not None and sched.explicit:  # the head runs per micro-batch, in the F lane
         logits /= sched.microbatches
@@ -321,8 +319,10 @@ def predict(
     pipe = None if sched is None else {k: getattr(sched, k) for k in PIPELINE_FIELDS}
     if s.stage_layers is not None:
         pipe["stage_layers"] = list(s.stage_layers)
-        notes.append(f"uneven stages {list(s.stage_layers)}: each stage priced as holding and "
-                     f"running its chunks at the largest's {max(s.stage_layers)} layers")  # fmt: skip
+        notes.append(f"uneven stages {list(s.stage_layers)}: memory and traffic priced at the "
+                     f"largest stage's {max(s.stage_layers)} layers; FLOPs at each stage's own "
+                     f"where the schedule table prices them (1f1b, interleaved, zb-h1), else "
+                     f"at the largest's")  # fmt: skip
     if lanes is not None:
         pipe["lanes"] = lanes.to_dict()
         pipe["lockstep"] = _lanes.lockstep(s)

@@ -71,6 +71,12 @@ class Setup:
         return self.sizes["tensor"] if hit else 1
 
     @property
+    def vocab(self) -> float:
+        """Vocabulary entries per device: split over tensor where the head or table is."""
+        split = any("tensor" in q.axes for q in self.params if q.role in ("head", "table"))
+        return self.cfg.vocab_size / (self.sizes["tensor"] if split else 1)
+
+    @property
     def rows(self) -> int:
         """Sequences per device: the batch over its axes (data, fsdp, expert)."""
         return self.batch // math.prod(self.sizes[a] for a in BATCH_AXES)

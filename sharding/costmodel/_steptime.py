@@ -308,7 +308,11 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"min({d.intra_link} {d.intra_bw / 1e9:g}, k x {d.inter_bw / 1e9:g} GB/s) per device, "
         f"and a device's permute and all-to-all bytes through its own {d.inter_bw / 1e9:g} GB/s "
         f"{d.inter_link}.",
-        f"Overlap: gradient reductions over data/fsdp hide behind the backward ({backward:.0%} "
+        f"Overlap ({overlap:.0%}: "
+        + ("spmdkit's default: the first layer's gather and the last layer's reduction have "
+           "nothing to hide behind, and XLA's latency-hiding scheduler is not perfect"
+           if overlap == OVERLAP else "as given") + "): "
+        f"gradient reductions over data/fsdp hide behind the backward ({backward:.0%} "
         f"of the matmul time, remat {work.remat}) up to {overlap:.0%} of it; fsdp/data weight "
         f"all-gathers are prefetched behind what the reductions leave of {overlap:.0%} of the "
         f"matmul time; " + ("tensor-parallel collectives overlap the matmuls they feed "

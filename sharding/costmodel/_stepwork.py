@@ -210,6 +210,7 @@ def work_from_report(
     memory_bound_bytes: float | None = None,
     stage_layers: Sequence[int] | None = None,
     accum: int = 1,
+    elementwise_bytes: float | None = None,
 ) -> StepWork:
     """The `StepWork` of a compiled step: FLOPs, collectives and memory read from the program.
 
@@ -225,7 +226,10 @@ def work_from_report(
             bubble exactly.
         remat: the remat policy (the backward's share of compute, for overlap).
         memory_bound_bytes: default: the optimizer update reading and writing the train state
-            once (2 x the argument bytes).
+            once (2 x the argument bytes), plus ``elementwise_bytes``.
+        elementwise_bytes: what the non-matmul operations move per device, where a closed form
+            counts it (`Prediction.elementwise_bytes`; the compiled HLO of a CPU compile fuses
+            otherwise than a GPU's); None: charged at the matmul rate, and the notes say so.
         stage_layers: ``program.pipeline.stage_layers`` of balanced stages (an explicit
             schedule's stage runs its own count of its ``max(stage_layers)`` layer slots).
         accum: the step's micro-steps (``accum_steps``): its gradient all-reduces, which the
@@ -248,16 +252,22 @@ def work_from_report(
              f"{fmt_count(report.matmul_flops)} matmul FLOPs and "
              f"{fmt_bytes(report.collective_bytes())} of collectives per device per step."]  # fmt: skip
     if memory_bound_bytes is None:
-        memory_bound_bytes = 0.0 if mem is None else 2.0 * mem.argument
+        memory_bound_bytes = (0.0 if mem is None else 2.0 * mem.argument) + (elementwise_bytes or 0)
         notes.append("Memory-bound bytes: the optimizer update reads and writes the train state "
-                     "once (2 x the program's argument bytes).")  # fmt: skip
+                     "once (2 x the program's argument bytes)" + (
+                         "; the non-matmul operations (norms, activations, softmax) are charged "
+                         "at the matmul rate through the matmul fraction (no count of their "
+                         "bytes given)." if elementwise_bytes is None else
+                         f", and the non-matmul work moves {fmt_bytes(elementwise_bytes)} (the "
+                         f"closed form's count, Prediction.elementwise_bytes)."))  # fmt: skip
     work = StepWork(
         mesh=dict(report.mesh), matmul_flops=float(report.matmul_flops),
         collectives=_collectives_of(report.collectives, lambda op: (
             op.kind, op.axes, op.bytes * op.multiplicity, op.multiplicity, "")),
         tokens=tokens, dtype=dtype, unit=unit, memory_bound_bytes=memory_bound_bytes,
         remat=remat, model_flops=model_flops, source="compiled program",
-        memory_bytes=None if mem is None else mem.native, notes=notes, accum=accum)  # fmt: skip
+        memory_bytes=None if mem is None else mem.native, notes=notes, accum=accum,
+        elementwise_bytes=min(elementwise_bytes or 0.0, memory_bound_bytes))  # fmt: skip
     if schedule is None:
         return work
     work.schedule, work.bubble_fraction = schedule.name, schedule.bubble_fraction

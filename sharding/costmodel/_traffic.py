@@ -134,7 +134,7 @@ def traffic(s: Any) -> list[Traffic]:
     c = sz.get("context", 1)
     rows = s.rows  # sequences per device (whole step)
     act = rows * s.local_seq * s.cfg.d_model * s.act_bytes  # one [rows, seq/c, d_model]
-    sched, n_layers = s.schedule, s.cfg.n_layers  # gpipe, circular: `split_pipeline_traffic`
+    sched, n_layers = s.schedule, s.cfg.n_layers  # gpipe, circular (explicit ones: _pipesplits)
     if sched is not None and sched.explicit:
         raise ValueError("the explicit schedules' traffic is split_pipeline_traffic's")
     # gpipe/circular with the head on 1/p of the rows per stage: its gradients add over stage too

@@ -18,7 +18,7 @@ from jax import sharding as jshard
 from sharding._manual import manual_axes
 from sharding._mesh import BATCH_AXES, SEQUENCE_AXIS
 from sharding._stack import LayerFn
-from sharding.pipeline._split import Split
+from sharding.pipeline._split import Split, varying_axes
 
 
 class Layers:
@@ -253,23 +253,13 @@ def seq_tail(shape: tuple, sequence: tuple[str, ...], seq: int | None) -> list:
     return rest
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
-    """The manual mesh axes ``x`` varies over (``aval.vma``; jax 0.10 keeps it in
-    ``aval.manual_axis_type.varying``)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
 def uniform(fn: Callable) -> Callable:
     """``fn`` with every floating output varying over every manual axis, so that a `lax.cond`
     between a layer and its skip (whose zeros vary over nothing) has one output type."""
 
     def run(*args: Any) -> Any:
         def cast(x: jax.Array) -> jax.Array:
-            missing = tuple(sorted(manual_axes() - _varying_axes(x)))
+            missing = tuple(sorted(manual_axes() - varying_axes(x)))
             return lax.pcast(x, missing, to="varying") if missing else x
 
         return jax.tree.map(cast, fn(*args))

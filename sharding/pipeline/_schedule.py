@@ -299,19 +299,19 @@ def make_schedule(stages: int, microbatches: int, schedule: str, repeats: int = 
         stage 1    . F0B0 F1B1 F2B2 F3B3    .
     """
     _check_sizes(stages=stages, microbatches=microbatches, repeats=repeats)
-    build = _schedule if isinstance(schedule, str) else _schedule.__wrapped__  # refused there
-    return build(int(stages), int(microbatches), schedule, int(repeats))
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule(p: int, m: int, schedule: str, r: int) -> Schedule:
-    """`make_schedule` of checked sizes, each table built once (a search prices thousands)."""
-    if schedule not in SCHEDULES:
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
         close = difflib.get_close_matches(str(schedule).lower(), SCHEDULES, n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise UnknownScheduleError(
             f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}{hint}"
         )
+    return _schedule(int(stages), int(microbatches), schedule, int(repeats))
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(p: int, m: int, schedule: str, r: int) -> Schedule:
+    """`make_schedule` of checked sizes and name, each table built once (a search prices
+    thousands)."""
     if schedule in CHUNKED and r < 2:
         plain = "gpipe" if schedule == "circular" else "1f1b"
         raise RepeatsError(

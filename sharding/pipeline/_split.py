@@ -141,11 +141,14 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: list, *, inline: bool) ->
     return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _varying(x: Any) -> frozenset:
-    """The manual axes ``x`` varies over (jax 0.10: ``typeof(x).mat.varying``; later: ``vma``)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over (``aval.vma``; jax 0.10 keeps it in
+    ``aval.manual_axis_type.varying``)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
 
 
 def _already_varying(eqn: Any, invals: list, env: dict) -> bool:
@@ -153,7 +156,7 @@ def _already_varying(eqn: Any, invals: list, env: dict) -> bool:
     surrounding lane made varying (zb-h1's split backward). The cast is then the identity, and
     its outputs are its inputs."""
     axes = set(eqn.params.get("axes", ()))
-    if not all(axes <= _varying(x) for x in invals):
+    if not all(axes <= varying_axes(x) for x in invals):
         return False
     for v, x in zip(eqn.outvars, invals, strict=True):
         if not _is_drop(v):
@@ -166,9 +169,9 @@ def _vary_alike(values: list) -> list:
     (`lax.pcast(..., to="varying")`, the identity on values): what the original body's own
     casts did before it was inlined."""
     arrays = [x for x in values if hasattr(x, "dtype")]
-    union = frozenset().union(*(_varying(x) for x in arrays))
-    return [jax.lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying")
-            if hasattr(x, "dtype") and union - _varying(x) else x for x in values]  # fmt: skip
+    union = frozenset().union(*(varying_axes(x) for x in arrays))
+    return [jax.lax.pcast(x, tuple(sorted(union - varying_axes(x))), to="varying")
+            if hasattr(x, "dtype") and union - varying_axes(x) else x for x in values]  # fmt: skip
 
 
 def _run(eqns: list, env: dict) -> None:

@@ -25,7 +25,7 @@ from sharding.costmodel import (
     CostModelError,
     Estimate,
     candidates,
-    expected_error,
+    error_to_expect,
     memory_budget,
     strategy_names,
 )
@@ -234,13 +234,9 @@ def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, 
 def _top_assumptions(ranked: list[Estimate]) -> list[str]:
     """`step_time`'s assumptions, every figure used, as it priced the top layout."""
     top = ranked[0]
-    known = expected_error(top.layout.sizes)
-    error = known.sentence() if known else (
-        f"Expected error: unknown; no published run of this kind ({top.mesh_text}) has been "
-        f"priced yet.")  # fmt: skip
     return [f"Step times by sharding.costmodel.step_time; its assumptions, with the figures of "
             f"the top layout ({top.label} on {top.mesh_text}, remat {top.remat}):",
-            *top.predicted.assumptions, error]  # fmt: skip
+            *top.predicted.assumptions, error_to_expect(top.layout.sizes)]  # fmt: skip
 
 
 def _workload(model: Any, size: str | None, cfg: Any, layers: int | None) -> Workload:

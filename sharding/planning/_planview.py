@@ -83,8 +83,9 @@ class PlanResult:
     def train_command(self, rank: int = 1) -> str | None:
         """The `spmdkit train` command that runs the layout ranked ``rank`` (from 1): its
         strategy, mesh, schedule and micro-batches, accumulation, remat and dtype at this
-        batch and sequence; None when it does not fit or was priced from a compiled program of
-        a model that has no shipped name."""
+        batch and sequence; None when it does not fit, has uneven stages (spmdkit's step needs
+        stages that divide the layers) or was priced from a compiled program of a model that
+        has no shipped name."""
         c = self.ranked[rank - 1]
         if not c.fits or self.source != "formula" or c.layout.stage_layers:
             return None  # uneven stages: spmdkit's step needs stages that divide the layers
@@ -156,7 +157,7 @@ class PlanResult:
             parts.append(self._check_table())
         lines = [f"! {w}" for w in warned] + self.assumptions + self.notes
         even = self._even_rank()
-        run = self._even_command()
+        run = None if even is None else self.train_command(even)
         if self.ranked[0].layout.stage_layers:
             below = (f"the command below runs #{even}, the best layout with even stages" if run
                      else "no layout with even stages fits")  # fmt: skip

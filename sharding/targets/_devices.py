@@ -151,7 +151,7 @@ def _check_values(name: str, values: dict[str, Any]) -> None:
     bad = []
     for key, value in values.items():
         if key == "platform":
-            if value not in PLATFORMS:
+            if not isinstance(value, str) or value not in PLATFORMS:
                 bad.append(f"{key}={value!r} (one of {', '.join(map(repr, PLATFORMS))})")
             continue
         if key in ("name", "source") or key.endswith("link"):

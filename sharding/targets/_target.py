@@ -18,6 +18,7 @@ its NIC's) (`Group.ring_link`); both wait the inter-node latency per hop.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import math
@@ -94,11 +95,7 @@ class Group:
     size: int
     nodes: int
     link: Link
-    ring_link: Link | None = None
-
-    def __post_init__(self) -> None:
-        if self.ring_link is None:
-            object.__setattr__(self, "ring_link", self.link)
+    ring_link: Link
 
     @property
     def inside_node(self) -> bool:
@@ -280,12 +277,14 @@ class Topology:
             inner = tuple(AXES.index(a) for a in AXES if a in axes)
             size = math.prod(self.sizes[AXES[i]] for i in inner)
             nodes = _nodes_spanned(tuple(self.sizes.values()), inner, self.target.per_node)
-            t, rails = self.target, max(1, size // nodes)
+            t = self.target
             link = ring = t.intra_link if nodes == 1 else t.inter_link
+            group = Group(axes, size, nodes, link, ring)
             if nodes > 1:  # rings over k rails: k NICs per node, never above the intra link
-                ring = Link(link.name, min(t.intra_link.bandwidth, rails * link.bandwidth),
-                            link.latency)  # fmt: skip
-            self._groups[axes] = Group(axes, size, nodes, link, ring)
+                rails = link.bandwidth * group.per_node
+                ring = Link(link.name, min(t.intra_link.bandwidth, rails), link.latency)
+                group = dataclasses.replace(group, ring_link=ring)
+            self._groups[axes] = group
         return self._groups[axes]
 
     @cached_property
