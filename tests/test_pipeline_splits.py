@@ -136,12 +136,29 @@ def test_attention_moves_its_closed_form_over_context_on_every_tick(method):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_sequence_parallel_stages_gather_and_save_temporaries(schedule):
     """Inside the stages, SP all-gathers the sequence before each column-parallel matmul (pp_tp
-    all-gathers nothing over tensor) and holds less: norms and residuals on S/t."""
+    gathers over tensor only what crosses between stages, one micro-batch's activations per
+    shift) and holds less: norms and residuals on S/t."""
     sp, tp = program("llama", "pp_tp_sp", PP_TP_SP, schedule), program("llama", "pp_tp",
                                                                        PP_TP_SP, schedule)  # fmt: skip
-    assert collective_bytes(sp, ("tensor",)).get("all-gather", 0) > 0
-    assert "all-gather" not in collective_bytes(tp, ("tensor",))
+    shifts = sum(op.multiplicity for op in tp.report().collectives
+                 if op.kind == "collective-permute" and op.axes == ("stage",))  # fmt: skip
+    micro = BATCH // MICRO // 2 * SEQ * workload().config.d_model * 4  # [b/data, S, D] float32
+    assert collective_bytes(tp, ("tensor",))["all-gather"] == shifts * micro
+    assert collective_bytes(sp, ("tensor",))["all-gather"] > 2 * shifts * micro
     assert sp.report().memory.temp < 0.95 * tp.report().memory.temp
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_tensor_ranks_send_their_share_between_stages(schedule):
+    """pp_tp, Megatron's scatter/gather: every shift between stages moves 1/t of a micro-batch's
+    activations (or cotangents) per device, [b/data, S/t, D], and the receiving stage gathers
+    them whole over tensor; under SP they cross split already, and nothing is gathered for it.
+    The numbers stay the single device's (tests/test_pipeline.py, tensor-parallel stages)."""
+    micro = BATCH // MICRO // 2 * SEQ * workload().config.d_model * 4  # [b/data, S, D] float32
+    for strategy in ("pp_tp", "pp_tp_sp"):
+        ops = program("llama", strategy, PP_TP_SP, schedule).report().collectives
+        shifts = [op for op in ops if op.kind == "collective-permute" and op.axes == ("stage",)]
+        assert shifts and {op.bytes for op in shifts} == {micro // 2}, strategy
 
 
 def test_positions_outside_the_seam_are_refused_inside_a_pipeline():

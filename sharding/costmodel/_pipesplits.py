@@ -19,8 +19,9 @@ pipeline's ticks or lanes, not the layer count:
   gathered whole over fsdp once per step and their gradients summed whole;
 - the weights outside the stack (table, final norm, head) are reduced as in a plain pipeline and
   then again over ``context`` (each sequence shard's partial gradient);
-- under SP the activations cross stages split over the sequence on ``tensor`` (1/t of a
-  micro-batch per shift);
+- the activations cross stages split over ``tensor`` (1/t of a micro-batch per shift): under SP
+  over the sequence already, else each tensor rank sends its share and the next stage gathers
+  it whole (`stage_shifts`);
 - a mixture of experts whose hidden width is split over tensor (llama-moe under pp_tp) sums its
   [E, rows, C, D] expert buffers over tensor, not d_model-wide activations.
 
@@ -63,6 +64,7 @@ from sharding.costmodel._traffic import (
     matmul_kinds,
     rows_over_stages,
     stage_gather,
+    stage_shifts,
     tied,
 )
 from sharding.experts import ALL_TO_ALLS_PER_LAYER, expert_slots
@@ -276,9 +278,7 @@ def _stages(out: _Sink, s: Any, act: float) -> None:
     sched, p = s.schedule, s.sizes["stage"]
     sp = splits_sequence_over_tensor(s)
     t = s.sizes["tensor"] if sp else 1
-    shift = act / sched.microbatches / t  # under SP a stage's output is sequence-split
-    out.add("collective-permute", ("stage",), 2 * sched.ticks * shift, 2 * sched.ticks,
-            "activations forward, cotangents backward")  # fmt: skip
+    stage_shifts(out, s, act)
     if sched.explicit:
         pass  # the head and the embedding run inside the scan: nothing leaves it
     elif rows_over_stages(s):

@@ -16,7 +16,7 @@ from typing import Any
 
 from sharding._mesh import AXES, BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
-from sharding.costmodel._sequence import sequence_traffic
+from sharding.costmodel._sequence import sequence_traffic, splits_sequence_over_tensor
 from sharding.experts import ALL_TO_ALLS_PER_LAYER, ep_all_to_all_bytes, expert_slots
 
 # Per-row softmax statistics a vocabulary-split head all-reduces over tensor (max, sum of exps,
@@ -350,10 +350,7 @@ def stage_gather(out: _Sink, s: Any) -> None:
 
 def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
     """Stage-to-stage shifts per tick and the stage reductions around the pipelined region."""
-    sched = s.schedule
-    mb = act / sched.microbatches  # one micro-batch's activation on this device
-    out.add("collective-permute", ("stage",), 2 * sched.ticks * mb, 2 * sched.ticks,
-            "activations forward, cotangents backward")  # fmt: skip
+    stage_shifts(out, s, act)
     if rows_over_stages(s):
         # The last stage's outputs are scattered over stage (each its share of the rows)
         # and their cotangents gathered back; the input cotangent is summed over stage.
@@ -363,6 +360,21 @@ def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
     else:  # the outputs summed over stage to leave the pipeline, the input cotangent too
         out.add("all-reduce", ("stage",), 2 * act, 2, "pipeline outputs + input cotangents")
     chunk_regroup(out, s)
+
+
+def stage_shifts(out: _Sink, s: Any, act: float) -> None:
+    """The shifts between stages, two per tick: a micro-batch's activations (``act`` is the
+    batch's on this device, whole over tensor) forward and its cotangents backward. Each tensor
+    rank sends its share, gathered whole over tensor on arrival (`shift_spread`); under SP
+    they cross split already."""
+    sched, t = s.schedule, s.sizes.get("tensor", 1)
+    mb, shifts = act / sched.microbatches, 2 * sched.ticks
+    out.add("collective-permute", ("stage",), shifts * mb / t, shifts,
+            "activations forward, cotangents backward" + (f", 1/{t} per tensor rank" if t > 1
+                                                          else ""))  # fmt: skip
+    if t > 1 and not splits_sequence_over_tensor(s):
+        out.add("all-gather", ("tensor",), shifts * mb, shifts,
+                "shifted activations and cotangents, whole over tensor")  # fmt: skip
 
 
 def chunk_regroup(out: _Sink, s: Any) -> None:

@@ -17,7 +17,8 @@ Where a collective inside a branch could wait for stages that skip it, the branc
 lock-step instead (`sharding.pipeline._lockstep`).
 
 Activations move to the next stage and input gradients to the previous one with one `ppermute`
-each per tick (a ring when stages hold several chunks); weight gradients accumulate in the carry
+each per tick (a ring when stages hold several chunks), each tensor rank sending its share
+(`shift_spread`); weight gradients accumulate in the carry
 and the data-parallel reduction runs once, after the scan. The scan computes the loss *and* its
 gradients, so it is exposed to autodiff through `jax.custom_vjp` whose backward scales them.
 """
@@ -45,6 +46,7 @@ from sharding.pipeline._layers import (
     micro_spec,
     per_leaf,
     psum32,
+    shift_spread,
     stage_weights,
     summed_grad,
     uniform,
@@ -71,19 +73,15 @@ def tables(schedule: Schedule) -> dict[str, np.ndarray]:
     an arriving activation / input gradient is written to, -1 when none arrives."""
     shape, of = (schedule.ticks, schedule.stages), schedule.slots.of
     out = {f"{k}.{f}": np.full(shape, -1, np.int32) for k, fs in _FIELDS.items() for f in fs}
-    out["arrive.act"], out["arrive.cot"] = (
-        np.full(shape, -1, np.int32),
-        np.full(shape, -1, np.int32),
-    )
+    for name in ("arrive.act", "arrive.cot"):
+        out[name] = np.full(shape, -1, np.int32)
     for t, row in enumerate(schedule.table):
         for s, cell in enumerate(row):
             for a in cell:
                 key = (s, a.microbatch, a.repeat)
                 for f in _FIELDS[a.kind]:
                     value = {"micro": a.microbatch, "chunk": a.repeat}.get(f)
-                    out[f"{a.kind}.{f}"][t, s] = (
-                        value if value is not None else of.get((f, *key), -1)
-                    )
+                    out[f"{a.kind}.{f}"][t, s] = of.get((f, *key), -1) if value is None else value
             for name, grid in (("act", schedule.activation_in), ("cot", schedule.cotangent_in)):
                 a = grid[t][s]
                 if a is not IDLE:
@@ -109,6 +107,7 @@ def explicit_pipeline(
     enter: Callable | None = None,
     dims: list | None = None,
     manual: tuple[str, ...],
+    spread: bool = True,
 ) -> jax.Array:
     """Mean loss over micro-batches; differentiable w.r.t. `layers`, `rest` and the
     floating-point `extras_m`.
@@ -131,6 +130,7 @@ def explicit_pipeline(
             stack's input after ``embed`` (Megatron SP's split over the sequence), None: none.
         dims, manual: per leaf of ``layers`` (flattened), the manual axes splitting its own
             dimensions; the axes the stages are manual over besides stage (`Staging.manual`).
+        spread: each tensor rank sends its share between stages (`shift_spread`); False: SP.
     """
     auto = sorted(a for a, n in mesh.shape.items() if n > 1 and a not in {"stage", *manual})
     floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in extras_m]
@@ -143,7 +143,7 @@ def explicit_pipeline(
     def run(layers: Any, rest: Any, fex: list) -> tuple[jax.Array, tuple]:
         layer_specs = per_leaf(lambda _, d: layer_spec(d), layers, dims)
         micro = lambda x: micro_spec(x, manual, seq)  # noqa: E731
-        body = functools.partial(_body, Layers(layer_fn, wrap, floats), head_loss, embed,
+        body = functools.partial(_body, Layers(layer_fn, wrap, floats, spread), head_loss, embed,
                                  schedule, floats, valid, manual, enter, dims, bool(auto))  # fmt: skip
         return jax.shard_map(
             body,
@@ -336,8 +336,8 @@ def _body(
         c, dx = lane("B", backward, c, t)
         if split:
             c, _ = lane("W", weight, c, t)
-        c["sent"] = lax.ppermute(y, "stage", ring_to)
-        c["back"] = lax.ppermute(dx, "stage", ring_from)
+        c["sent"] = shift_spread(y, lambda v: lax.ppermute(v, "stage", ring_to), chunk.spread)
+        c["back"] = shift_spread(dx, lambda v: lax.ppermute(v, "stage", ring_from), chunk.spread)
         return c, None
 
     carry = {

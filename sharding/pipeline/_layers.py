@@ -29,8 +29,10 @@ class Layers:
     from the weights, the rest are stacked over layers and stored per micro-batch.
     """
 
-    def __init__(self, layer_fn: LayerFn, wrap: Callable | None, floats: list[bool]):
+    def __init__(self, layer_fn: LayerFn, wrap: Callable | None, floats: list[bool],
+                 spread: bool = True):  # fmt: skip
         self.layer_fn, self.wrap, self.floats = layer_fn, wrap, floats
+        self.spread = spread  # each tensor rank sends its share between stages (`shift_spread`)
         self.tree: Any = None
         self.weight_of: list[int] = []  # per pullback leaf: the weight leaf it is, or -1
         # Lock-step lanes (`sharding.pipeline._explicit`): a spare layer slot is computed and
@@ -153,6 +155,34 @@ def auto_batch_axes() -> tuple[str, ...]:
     """The batch axes the pipeline's shard_map leaves automatic (data is manual in it, and
     expert where the mesh has one: `replicas`)."""
     return tuple(a for a in BATCH_AXES if a not in manual_axes())
+
+
+def shift_spread(x: jax.Array, shift: Callable[[jax.Array], jax.Array], spread: bool = True,
+                 axis: str = "tensor") -> jax.Array:  # fmt: skip
+    """``shift(x)`` (a stage's activations or cotangents crossing to a neighbour stage), each
+    ``axis`` rank sending its share: Megatron's scatter/gather (Narayanan et al. 2021, §4.1).
+
+    After a row-parallel layer every tensor rank holds the whole activation. Split along its
+    first dimension after the batch that ``axis`` divides, each rank sends 1/t of it, and the
+    receiving stage gathers it whole over its own links: t times fewer bytes between stages,
+    which are often nodes apart, for one gather inside the stage. Pinned split on both sides of
+    the shift and whole around them, so the split stays at the crossing. ``spread=False`` where the activations cross split already
+    (Megatron SP); a plain shift where ``axis`` is absent, of size 1, manual here, or divides no
+    dimension.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    size = dict(mesh.shape).get(axis, 1)
+    dims = [d for d in range(1, x.ndim) if x.shape[d] % size == 0]
+    if not spread or size <= 1 or axis in manual_axes() or not dims:
+        return shift(x)
+    whole = [auto_batch_axes() or None] + [None] * (x.ndim - 1)
+    split = list(whole)
+    split[dims[0]] = axis
+
+    def pin(v: jax.Array, spec: list) -> jax.Array:
+        return lax.with_sharding_constraint(v, jshard.NamedSharding(mesh, P(*spec)))
+
+    return pin(pin(shift(pin(pin(x, whole), split)), split), whole)
 
 
 def varying(x: jax.Array, axes: str | tuple[str, ...]) -> jax.Array:

@@ -222,7 +222,7 @@ def pipelined_loss(
         out = scan_pipeline(extras.layer_fn(call, layout.pin), layers, h_m, extras_m, mesh=mesh,
                             schedule=schedule, wrap=wrap, rows=True, slots=slots,
                             sequence=layout.outer, sides=sides, dims=dims,
-                            manual=where.manual)  # fmt: skip
+                            manual=where.manual, spread="tensor" not in layout.axes)  # fmt: skip
         y = rows_over_stages(layout.leave(out[0] if sides else out), mesh, layout.outer, seq)
         if not sides:
             return y
@@ -313,8 +313,8 @@ def _loss_explicit(
         )
     return explicit_pipeline(extras.layer_fn(call, layout.pin), wrap, head_loss, embed, layers,
                              rest, extras_m, batch_m, mesh=mesh, schedule=schedule, valid=valid,
-                             sequence=layout.outer, seq=seq, enter=layout.enter,
-                             dims=where.dims, manual=where.manual)  # fmt: skip
+                             sequence=layout.outer, seq=seq, enter=layout.enter, dims=where.dims,
+                             manual=where.manual, spread="tensor" not in layout.axes)  # fmt: skip
 
 
 def activations(call: StackCall) -> jax.Array:

@@ -38,6 +38,7 @@ from sharding.pipeline._layers import (
     replicas,
     row_axes,
     seq_tail,
+    shift_spread,
     stage_weights,
     varying,
 )
@@ -125,9 +126,11 @@ def stage_view(layers: Any, stages: int, repeats: int) -> Any:
     return jax.tree.map(view, layers)
 
 
-def _shift_next(x: Any, stages: int) -> Any:
-    """Send to stage s+1 (the last stage sends to stage 0, used by circular's next repeat)."""
-    return lax.ppermute(x, "stage", [(s, (s + 1) % stages) for s in range(stages)])
+def _shift_next(x: Any, stages: int, spread: bool) -> Any:
+    """Send to stage s+1 (the last stage sends to stage 0, used by circular's next repeat), each
+    tensor rank its share unless the activations cross split already (`shift_spread`)."""
+    pairs = [(s, (s + 1) % stages) for s in range(stages)]
+    return shift_spread(x, lambda v: lax.ppermute(v, "stage", pairs), spread)
 
 
 def scan_pipeline(
@@ -145,6 +148,7 @@ def scan_pipeline(
     sides: tuple[Any, ...] = (),
     dims: list | None = None,
     manual: tuple[str, ...] | None = None,
+    spread: bool = True,
 ) -> Any:
     """gpipe / circular forward of the layer stack over micro-batches ``h_m: [m, b, ...]``.
 
@@ -165,7 +169,9 @@ def scan_pipeline(
     micro-batch, as with gradient accumulation). ``dims``: per leaf of ``layers`` (flattened),
     the manual axes splitting its own dimensions (`layer_dims`), None when none is.
     ``manual``: the axes the stages are manual over besides ``stage``, as the step placed them
-    (`Staging.manual`); None: `replicas` of ``sequence`` on ``mesh``.
+    (`Staging.manual`); None: `replicas` of ``sequence`` on ``mesh``. ``spread``: each tensor
+    rank sends its share of the activations to the next stage (`shift_spread`); False where
+    they cross split already (Megatron SP).
     Differentiated by autodiff through the scan.
     """
     reps = replicas(sequence, mesh) if manual is None else manual
@@ -256,7 +262,7 @@ def scan_pipeline(
             acc = tuple(
                 a + jnp.where(valid, d, jnp.zeros_like(d)) for a, d in zip(acc, terms, strict=True)
             )
-            sent = _shift_next(y, p)
+            sent = _shift_next(y, p, spread)
             # Stage 0 keeps what the last stage finished (micro-batch i of repeat j) for repeat j+1.
             done = t - (p - 1)
             keep = (sid == 0) & (done >= 0)
