@@ -100,6 +100,7 @@ def price(run: dict[str, Any], arch: dict[str, Any]) -> dict[str, Any]:
     useful = predict(family, cfg, "dp", {}, run["gbs"], run["seq"], dtype="bfloat16")
     work = work_from_prediction(pred, model_flops=useful.matmul_flops)
     work.tensor_overlap = run.get("tp_comm_overlap", False)
+    work.reduction_overlap = run.get("grad_overlap", False)
     st = step_time(work, tgt)
     terms = {"compute": st.compute_s, "exposed comm": st.exposed_comm_s, "bubble": st.bubble_s}
     return {

@@ -1,5 +1,5 @@
 """The step-time model's terms: rings over rails, accumulation's reductions on each platform,
-collective matmuls, and the memory-bound bytes of the non-matmul work, each by hand."""
+collective matmuls, bucketed gradient reductions, and the memory-bound bytes of the non-matmul work, each by hand."""
 
 from __future__ import annotations
 
@@ -116,6 +116,28 @@ def test_collective_matmuls_hide_tensor_traffic_only_where_the_program_overlaps_
     assert (c.overlap, c.exposed_s) == ("tensor", pytest.approx(c.time_s - 0.8 * 0.01))
     assert over.step_s == pytest.approx(exposed.step_s - 0.008)
     assert any("collective matmuls" in a for a in over.assumptions)
+
+
+@pytest.mark.parametrize(("accum", "microbatches", "schedule"), [(4, 1, None), (1, 4, "1f1b")])
+def test_bucketed_reductions_hide_behind_one_micro_batch_where_the_program_buckets_them(
+    accum, microbatches, schedule
+):
+    # 1.44e9 bytes all-reduced over data=2 on NVLink once per step, after the accumulation loop
+    # or the tick scan: exposed, unless the program reduces them in buckets during the last
+    # micro-batch's backward (and gathers the weights in the next first forward): then they hide
+    # behind 80% of one micro-batch's 10 ms / 4 of matmuls.
+    grad = CollectiveWork("all-reduce", ("data",), accum * 1.44e9, accum)
+    kw = dict(mesh={"data": 2, "tensor": 4}, collectives=[grad], accum=accum,
+              microbatches=microbatches, schedule=schedule)  # fmt: skip
+    plain = step_time(_work(**kw), "h100")
+    (c,) = plain.collectives
+    assert c.overlap.startswith("exposed: after the") and c.exposed_s == c.time_s
+    over = step_time(_work(**kw, reduction_overlap=True), "h100")
+    (b,) = over.collectives
+    assert b.time_s == c.time_s == pytest.approx(1.44e9 / NVLINK + OP + 2 * HOP)
+    assert (b.overlap, b.exposed_s) == ("micro", pytest.approx(b.time_s - 0.8 * 0.01 / 4))
+    assert over.step_s == pytest.approx(plain.step_s - 0.002)
+    assert any("in buckets during the last micro-batch's backward" in a for a in over.assumptions)
 
 
 # llama tiny: d_model 64, 2 RMSNorms, a gated MLP of 128, rope over 8 query and 4 key heads of 8,

@@ -97,9 +97,13 @@ class StepWork:
     ``tokens`` (or samples, ``unit``) and ``model_flops`` are per step over all devices;
     ``notes`` are the adapter's assumptions and ``pipeline`` the per-tick FLOPs it read.
     ``accum`` is the micro-steps per step (gradient accumulation) whose gradient reductions the
-    collectives count once each; ``tensor_overlap`` says the program overlaps its
-    tensor-parallel collectives with the matmuls they feed (collective matmuls, Megatron's
-    ``--tp-comm-overlap``), which spmdkit's programs do not.
+    collectives count once each, ``microbatches`` a pipeline's micro-batches per micro-step;
+    ``tensor_overlap`` says the program overlaps its tensor-parallel collectives with the
+    matmuls they feed (collective matmuls, Megatron's ``--tp-comm-overlap``), and
+    ``reduction_overlap`` that it reduces the data-parallel gradients in buckets as the last
+    micro-batch's backward produces them and gathers the updated weights as the next step's
+    first forward needs them (Megatron's ``--overlap-grad-reduce --overlap-param-gather`` with
+    its distributed optimizer): spmdkit's programs do neither.
     """
 
     mesh: dict[str, int]
@@ -120,7 +124,9 @@ class StepWork:
     notes: list[str] = field(default_factory=list)
     pipeline: dict[str, Any] | None = None
     accum: int = 1
+    microbatches: int = 1
     tensor_overlap: bool = False
+    reduction_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,6 +257,8 @@ def step_time(
             c = CollectiveWork(c.kind, c.axes, c.bytes / work.accum,
                                max(1, c.count // work.accum), c.what)  # fmt: skip
             rule = "exposed: after the accumulation loop"
+        if work.reduction_overlap and rule.startswith("exposed: after the"):
+            rule = "micro"  # bucketed, behind one micro-batch's backward and forward
         bw_s = factor * c.bytes / (link.bandwidth * d.link_fraction)
         lat_s = c.count * (d.op_latency + ring_hops(c.kind, g.size) * link.latency)
         by_rule[rule] += bw_s + lat_s
@@ -261,6 +269,7 @@ def step_time(
     # Collective matmuls split each matmul into chunks and send one while the next multiplies,
     # over the tensor group's own links: hidden up to the same share of the matmul time.
     hidden["tensor"] = min(by_rule["tensor"], overlap * matmul_s)
+    hidden["micro"] = min(by_rule["micro"], overlap * matmul_s / (work.accum * work.microbatches))
     collectives = []
     for c, g, factor, bw_s, lat_s, rule in rows:
         seconds = bw_s + lat_s
@@ -327,6 +336,12 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"Fits if the per-device memory is at most {memory_fraction:.0%} of HBM "
         f"({fmt_bytes(budget)}); the rest is the runtime, workspaces and fragmentation.",
     ]  # fmt: skip
+    if work.reduction_overlap:
+        out.append(f"The program reduces the data-parallel gradients in buckets during the last "
+                   f"micro-batch's backward and gathers the updated weights during the next "
+                   f"step's first forward (given: StepWork.reduction_overlap): they hide behind "
+                   f"one micro-batch's compute ({work.accum * work.microbatches} per step) up to "
+                   f"{overlap:.0%} of it.")  # fmt: skip
     if work.accum > 1:
         sinks = PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
         out.append(f"{work.accum} micro-steps per step: " + (

@@ -271,6 +271,7 @@ def work_from_report(
     if schedule is None:
         return work
     work.schedule, work.bubble_fraction = schedule.name, schedule.bubble_fraction
+    work.microbatches = schedule.microbatches
     if hlo_text is None:
         if schedule.explicit:
             raise StepTimeError(
@@ -343,6 +344,7 @@ def work_from_prediction(
     pipe = pred.pipeline
     sched = make_schedule(pred.mesh["stage"], pipe["microbatches"], pipe["name"], pipe["repeats"])
     work.schedule, work.bubble_fraction = sched.name, sched.bubble_fraction
+    work.microbatches = sched.microbatches
     if not sched.explicit or "lanes" not in pipe:
         work.bubble_flops = sched.bubble_fraction * work.matmul_flops
         notes.append(f"{sched.name}: bubble = {sched.bubble_fraction:.1%} of the predicted FLOPs "
