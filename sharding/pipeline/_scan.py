@@ -4,7 +4,8 @@ splits them: `replicas`), so tensor stays automatic inside each stage.
 
 The stacked layers ``[L, ...]`` (sharded over ``stage`` on the leading axis by the pp presets) are
 viewed as ``[p, L/p, ...]``: stage ``s`` owns a contiguous block of layers and no weight moves.
-Activations move to the next stage with `lax.ppermute` between ticks; the tick tables come from
+Activations move to the next stage with `lax.ppermute` between ticks, each tensor rank sending
+its share (`shift_spread`, Megatron's scatter/gather); the tick tables come from
 `sharding.pipeline._schedule`. This module holds the pipeline's settings (`PipelineSpec`), their
 checks, micro-batching and gpipe/circular's scan, which autodiff differentiates: the remat policy
 applies to each layer, as without a pipeline (full: a layer keeps its input and is recomputed
