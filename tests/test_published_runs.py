@@ -41,8 +41,10 @@ def test_every_published_run_is_priced_or_says_why(benchmark):
     assert (out / "published_runs.png").stat().st_size > 10_000
     # runs held out of the model's derivation are priced apart, by the same public calls
     held = data["held_out"]
-    assert [r["id"] for r in held["rows"]] == ["MX1"] and held["unpriced"] == []
-    assert held["summary"]["priced"] == 1 and held["rows"][0]["kind"] == "fsdp"
+    assert [r["id"] for r in held["rows"]] == ["MX1", "PX1", "PX2", "PX3"]
+    assert held["unpriced"] == [] and held["summary"]["priced"] == 4
+    assert [r["kind"] for r in held["rows"]] == ["fsdp", "data", "fsdp", "fsdp"]
+    assert held["summary"]["worst_abs_error"] == max(abs(r["ratio"] - 1) for r in held["rows"])
     assert "median |error|" in printed
 
 
