@@ -365,9 +365,10 @@ def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
 def stage_shifts(out: _Sink, s: Any, act: float) -> None:
     """The shifts between stages, two per tick: a micro-batch's activations (``act`` is the
     batch's on this device, whole over tensor) forward and its cotangents backward. Each tensor
-    rank sends its share, gathered whole over tensor on arrival (`shift_spread`); under SP
-    they cross split already."""
+    rank sends its share where tensor divides the sequence or d_model, gathered whole over tensor
+    on arrival (`shift_spread`); under SP they cross split already."""
     sched, t = s.schedule, s.sizes.get("tensor", 1)
+    t = t if s.local_seq % t == 0 or s.cfg.d_model % t == 0 else 1
     mb, shifts = act / sched.microbatches, 2 * sched.ticks
     out.add("collective-permute", ("stage",), shifts * mb / t, shifts,
             "activations forward, cotangents backward" + (f", 1/{t} per tensor rank" if t > 1

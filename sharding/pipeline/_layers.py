@@ -166,9 +166,9 @@ def shift_spread(x: jax.Array, shift: Callable[[jax.Array], jax.Array], spread: 
     first dimension after the batch that ``axis`` divides, each rank sends 1/t of it, and the
     receiving stage gathers it whole over its own links: t times fewer bytes between stages,
     which are often nodes apart, for one gather inside the stage. Pinned split on both sides of
-    the shift and whole around them, so the split stays at the crossing. ``spread=False`` where the activations cross split already
-    (Megatron SP); a plain shift where ``axis`` is absent, of size 1, manual here, or divides no
-    dimension.
+    the shift and whole around them, so the split stays at the crossing. ``spread=False`` where
+    the activations cross split already (Megatron SP); a plain shift where ``axis`` is absent,
+    of size 1, manual here, or divides no dimension.
     """
     mesh = jax.sharding.get_abstract_mesh()
     size = dict(mesh.shape).get(axis, 1)
