@@ -41,6 +41,24 @@ def test_every_rejected_layout_says_why(planned):
                                             "reductions would cross the inter-node links")  # fmt: skip
 
 
+def test_tensor_groups_that_straddle_nodes_are_pruned_by_the_topology(tmp_path):
+    """Nodes of 6: tensor=4 fits under the node size, but its second group holds devices 4-7,
+    two on each node; the search asks the topology, not the sizes, and leaves tensor=2 in."""
+    profile = tmp_path / "six.toml"
+    profile.write_text(
+        "peak_tflops_bf16 = 100\npeak_tflops_f32 = 50\nhbm_gib = 80\nhbm_gb_per_s = 1000\n"
+        "devices_per_node = 6\nintra_node_gb_per_s = 100\nintra_node_latency_us = 1\n"
+        "inter_node_gb_per_s = 10\ninter_node_latency_us = 5\n"
+    )
+    rejected = []
+    ranked = candidates(models.llama, "tiny", f"{profile}:2x6", 24, 64, strategies="tp",
+                        rejected=rejected)  # fmt: skip
+    reasons = {r["mesh"]: r["reason"] for r in rejected}
+    assert reasons["data=3,tensor=4"] == ("tensor=4 spans nodes of 6: its per-layer reductions "
+                                          "would cross the inter-node links")  # fmt: skip
+    assert {c.layout.mesh for c in ranked} == {"data=6,tensor=2"}
+
+
 def test_layouts_the_rules_or_layers_cannot_take_are_listed_with_the_error():
     rejected = []
     candidates(models.llama, "tiny", "h100:2x8", 32, 128, strategies=("dp_tp", "pp"),

@@ -260,7 +260,7 @@ def _pruned(layout: Layout, tgt: Target) -> str | None:
     reductions run in every layer, over the inter-node links). Layouts that do not fit are
     priced all the same, ranked after the fitting ones."""
     sz = layout.sizes
-    if sz["tensor"] > tgt.per_node:
+    if sz["tensor"] > 1 and not tgt.topology(sz).group(("tensor",)).inside_node:
         return (f"tensor={sz['tensor']} spans nodes of {tgt.per_node}: its per-layer "
                 f"reductions would cross the inter-node links")  # fmt: skip
     return None
