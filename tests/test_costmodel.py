@@ -324,6 +324,8 @@ def test_fsdp_tensor_pipeline_composition_priced_from_its_parts(schedule, rel):
                                                shardings["opt_state"])  # fmt: skip
     gathered = report.collective_bytes("all-gather", "tensor")
     assert gathered > 0 and gathered == pred.collective_bytes("all-gather", "tensor")
+    shifted = report.collective_bytes("collective-permute", "stage")  # each rank's share
+    assert shifted == pred.collective_bytes("collective-permute", "stage")
     total = report.collective_bytes()
 
     def over_fsdp(items, kinds):

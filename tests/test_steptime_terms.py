@@ -116,6 +116,10 @@ def test_collective_matmuls_hide_tensor_traffic_only_where_the_program_overlaps_
     assert (c.overlap, c.exposed_s) == ("tensor", pytest.approx(c.time_s - 0.8 * 0.01))
     assert over.step_s == pytest.approx(exposed.step_s - 0.008)
     assert any("collective matmuls" in a for a in over.assumptions)
+    # a pipeline's gathers of what crossed stages are no collective matmul: exposed all the same
+    shifted = CollectiveWork("all-gather", ("tensor",), 3.6e8, 8, "shifted activations")
+    (g,) = step_time(_work(collectives=[shifted], tensor_overlap=True), "h100").collectives
+    assert (g.overlap, g.exposed_s) == ("exposed: pipeline transfer between ticks", g.time_s)
 
 
 @pytest.mark.parametrize(("accum", "microbatches", "schedule"), [(4, 1, None), (1, 4, "1f1b")])

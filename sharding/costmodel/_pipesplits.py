@@ -20,8 +20,8 @@ pipeline's ticks or lanes, not the layer count:
 - the weights outside the stack (table, final norm, head) are reduced as in a plain pipeline and
   then again over ``context`` (each sequence shard's partial gradient);
 - the activations cross stages split over ``tensor`` (1/t of a micro-batch per shift): under SP
-  over the sequence already, else each tensor rank sends its share and the next stage gathers
-  it whole (`stage_shifts`);
+  over the sequence already, else, where tensor divides the sequence or d_model, each tensor
+  rank sends its share and the next stage gathers it whole (`stage_shifts`);
 - a mixture of experts whose hidden width is split over tensor (llama-moe under pp_tp) sums its
   [E, rows, C, D] expert buffers over tensor, not d_model-wide activations.
 

@@ -19,7 +19,9 @@ all-reduce, n-1 for the other rings, 1 for a permute. Data/fsdp gradient reducti
 gathers hide behind compute up to `OVERLAP` of it; tensor-parallel collectives too where the
 program overlaps them (`StepWork.tensor_overlap`); the rest is exposed. Gradient accumulation's
 all-reduces run once per step, exposed after the micro-step loop, where the target's XLA moves
-them out of it (`sharding.targets.PLATFORMS`), else once per micro-step as the program shows.
+them out of it (`sharding.targets.PLATFORMS`), else once per micro-step as the program shows; a
+program that buckets them behind its last micro-batch (`StepWork.reduction_overlap`) hides them
+behind one micro-batch's compute.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class StepWork:
     ``reduction_overlap`` that it reduces the data-parallel gradients in buckets as the last
     micro-batch's backward produces them and gathers the updated weights as the next step's
     first forward needs them (Megatron's ``--overlap-grad-reduce --overlap-param-gather`` with
-    its distributed optimizer): spmdkit's programs do neither.
+    its distributed optimizer): spmdkit's programs do neither. The adapters set ``microbatches``
+    from the schedule; a hand-built pipelined work left at 1 hides them behind its whole step.
     """
 
     mesh: dict[str, int]
@@ -201,8 +204,8 @@ def _overlap_rule(c: CollectiveWork, pipelined: bool, tensor_overlap: bool = Fal
     axes = set(c.axes or ())
     if c.axes is None:
         return "exposed: axes unknown"
-    if c.kind == "collective-permute":
-        return "exposed: pipeline transfer between ticks"
+    if c.kind == "collective-permute" or c.what.startswith("shifted"):
+        return "exposed: pipeline transfer between ticks"  # the shifts, and their gathers
     if "tensor" in axes:
         return "tensor" if tensor_overlap else "exposed: tensor-parallel, inside the layers"
     if axes <= OVERLAP_AXES and c.kind == "all-gather":
@@ -269,7 +272,10 @@ def step_time(
     # Collective matmuls split each matmul into chunks and send one while the next multiplies,
     # over the tensor group's own links: hidden up to the same share of the matmul time.
     hidden["tensor"] = min(by_rule["tensor"], overlap * matmul_s)
-    hidden["micro"] = min(by_rule["micro"], overlap * matmul_s / (work.accum * work.microbatches))
+    left = overlap * matmul_s - hidden["grad"] - hidden["gather"]
+    hidden["micro"] = min(
+        by_rule["micro"], left, overlap * matmul_s / (work.accum * work.microbatches)
+    )
     collectives = []
     for c, g, factor, bw_s, lat_s, rule in rows:
         seconds = bw_s + lat_s
@@ -328,7 +334,7 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"(collective matmuls) up to {overlap:.0%} of the matmul time; pipeline permutes are "
         f"exposed" if work.tensor_overlap else "tensor-parallel collectives (inside each layer) "
         "and pipeline permutes are exposed") + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
-                      "exposed." if work.schedule else ".")
+                      "exposed." if work.schedule and not work.reduction_overlap else ".")
         + " On a GPU this overlap needs XLA's latency-hiding scheduler and pipelined "
           "collectives: spmdkit gives every GPU compile "
           f"{', '.join(f'{k}=true' for k in overlap_options('gpu', ''))} "
@@ -346,8 +352,9 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         sinks = PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
         out.append(f"{work.accum} micro-steps per step: " + (
             f"XLA for {d.platform} moves the gradient all-reduces out of the accumulation loop "
-            f"(WhileLoopAllReduceCodeMotion): they run once per step, after the loop, exposed; "
-            f"fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
+            f"(WhileLoopAllReduceCodeMotion): they run once per step, after the loop, "
+            + ("behind the last micro-batch (above); " if work.reduction_overlap else "exposed; ")
+            + "fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
             "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
     if work.schedule:
         out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "

@@ -168,7 +168,8 @@ def shift_spread(x: jax.Array, shift: Callable[[jax.Array], jax.Array], spread: 
     which are often nodes apart, for one gather inside the stage. Pinned split on both sides of
     the shift and whole around them, so the split stays at the crossing. ``spread=False`` where
     the activations cross split already (Megatron SP); a plain shift where ``axis`` is absent,
-    of size 1, manual here, or divides no dimension.
+    of size 1, manual here, or divides no dimension. The first pin assumes what a tensor-parallel
+    stage leaves: activations whole over ``axis`` (one split otherwise would be gathered first).
     """
     mesh = jax.sharding.get_abstract_mesh()
     size = dict(mesh.shape).get(axis, 1)
