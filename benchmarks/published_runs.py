@@ -120,12 +120,13 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The table `sharding.costmodel.expected_error` ships: per layout kind (and over all), the
-    runs priced, median and worst |error| and the share within 15%, to 0.1%."""
+    runs priced, median and worst |error|, the share within 15%, to 0.1%, and their sources."""
 
     def of(subset: list[dict[str, Any]]) -> dict[str, Any]:
         s = summary(subset)
         return {"runs": s["priced"], "median": round(s["median_abs_error"], 3),
-                "worst": round(s["worst_abs_error"], 3), "within_15": round(s["within_15"], 3)}  # fmt: skip
+                "worst": round(s["worst_abs_error"], 3), "within_15": round(s["within_15"], 3),
+                "measured": "; ".join(sorted({r["source"] for r in subset}))}  # fmt: skip
 
     kinds = sorted({r["kind"] for r in rows})
     return {"source": "python -m benchmarks.published_runs --accuracy",
@@ -177,9 +178,9 @@ def priced(data: dict[str, Any], runs: list[dict[str, Any]]) -> tuple[list, list
         if "reason" in got:
             unpriced.append({"id": run["id"], "reason": got["reason"]})
             continue
-        rows.append({"id": run["id"], "model": run["model"], "gpus": run["gpus"],
-                     "device": run["device"], "layout": layout_text(run["layout"]),
-                     "kind": kind(run["layout"]), "assumed": run.get("assumed", []),
+        rows.append({"id": run["id"], "source": run["source"], "model": run["model"],
+                     "gpus": run["gpus"], "device": run["device"],
+                     "layout": layout_text(run["layout"]), "kind": kind(run["layout"]), "assumed": run.get("assumed", []),
                      "published": run["tokens_per_gpu"], **got,
                      "ratio": got["predicted"] / run["tokens_per_gpu"]})  # fmt: skip
     return rows, unpriced

@@ -78,6 +78,9 @@ def test_the_shipped_accuracy_is_the_benchmarks_own(benchmark):
     assert (tp.kind, tp.runs, tp.median, tp.worst) == ("tensor", 6, row["median"], row["worst"])
     assert tp.sentence().startswith("Expected error: on 6 published tensor-parallel runs")
     assert f"off by {row['median']:.0%} (median), {row['worst']:.0%} at worst" in tp.sentence()
+    # each kind names the sources of its own runs
+    sources = {r["source"] for r in benchmark[1]["rows"] if r["kind"] == "tensor"}
+    assert tp.measured == row["measured"] == "; ".join(sorted(sources)) and len(sources) == 2
 
 
 def test_a_layout_is_judged_by_its_most_telling_split():

@@ -27,7 +27,8 @@ NAMES = {"pipeline": "pipeline-parallel", "tensor": "tensor-parallel", "fsdp": "
 
 @dataclass(frozen=True)
 class Accuracy:
-    """The step-time model's error on the published runs of one layout kind."""
+    """The step-time model's error on the published runs of one layout kind; ``measured``: the
+    sources of those runs."""
 
     kind: str
     runs: int
@@ -71,7 +72,7 @@ def expected_error(mesh: dict[str, int]) -> Accuracy | None:
     if row is None:
         return None
     return Accuracy(kind, row["runs"], row["median"], row["worst"], row["within_15"],
-                    table["source"], table["runs"])  # fmt: skip
+                    table["source"], row.get("measured", table["runs"]))  # fmt: skip
 
 
 def error_to_expect(mesh: dict[str, int]) -> str:
