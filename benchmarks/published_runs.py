@@ -129,9 +129,7 @@ def accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "measured": "; ".join(sorted({r["source"] for r in subset}))}  # fmt: skip
 
     kinds = sorted({r["kind"] for r in rows})
-    return {"source": "python -m benchmarks.published_runs --accuracy",
-            "runs": "Megatron-LM's SC21 paper and README, torchtitan",
-            "all": of(rows), "kinds": {k: of([r for r in rows if r["kind"] == k]) for k in kinds}}  # fmt: skip
+    return {"source": "python -m benchmarks.published_runs --accuracy", "all": of(rows), "kinds": {k: of([r for r in rows if r["kind"] == k]) for k in kinds}}  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: Path, held: list[dict[str, Any]] = ()) -> Path:

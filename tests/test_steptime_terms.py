@@ -117,7 +117,10 @@ def test_collective_matmuls_hide_tensor_traffic_only_where_the_program_overlaps_
     assert over.step_s == pytest.approx(exposed.step_s - 0.008)
     assert any("collective matmuls" in a for a in over.assumptions)
     # a pipeline's gathers of what crossed stages are no collective matmul: exposed all the same
-    shifted = CollectiveWork("all-gather", ("tensor",), 3.6e8, 8, "shifted activations")
+    pp_tp = predict(models.llama, "tiny", "pp_tp", {"stage": 2, "data": 2, "tensor": 2}, 16, 32,
+                    pipeline=("gpipe", 4, 1))  # fmt: skip
+    what = next(x.what for x in pp_tp.traffic if x.kind == "all-gather" and x.axes == ("tensor",))
+    shifted = CollectiveWork("all-gather", ("tensor",), 3.6e8, 8, what)
     (g,) = step_time(_work(collectives=[shifted], tensor_overlap=True), "h100").collectives
     assert (g.overlap, g.exposed_s) == ("exposed: pipeline transfer between ticks", g.time_s)
 

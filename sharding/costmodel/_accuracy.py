@@ -72,7 +72,7 @@ def expected_error(mesh: dict[str, int]) -> Accuracy | None:
     if row is None:
         return None
     return Accuracy(kind, row["runs"], row["median"], row["worst"], row["within_15"],
-                    table["source"], row.get("measured", table["runs"]))  # fmt: skip
+                    table["source"], row["measured"])  # fmt: skip
 
 
 def error_to_expect(mesh: dict[str, int]) -> str:

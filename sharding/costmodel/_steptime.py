@@ -34,6 +34,7 @@ from typing import Any
 from sharding._mesh import AXES, mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._predict import CostModelError
+from sharding.costmodel._traffic import SHIFT_GATHERS
 from sharding.inspection import overlap_options
 from sharding.targets import PLATFORMS, Target, target
 
@@ -45,6 +46,8 @@ OVERLAP = 0.8
 MEMORY_FRACTION = 0.9
 OVERLAP_AXES = frozenset({"data", "fsdp"})  # their reductions and gathers overlap compute
 RINGS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})  # over rails across nodes
+# Rules of the gradient reductions that follow a loop (the tick scan, the accumulation loop).
+AFTER_LOOPS = frozenset({"exposed: after the tick scan", "exposed: after the accumulation loop"})
 BACKWARD_SHARE = {"none": 2 / 3, "dots": 2 / 3, "full": 3 / 4}  # of the matmul time, by remat
 _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
          "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
@@ -204,7 +207,7 @@ def _overlap_rule(c: CollectiveWork, pipelined: bool, tensor_overlap: bool = Fal
     axes = set(c.axes or ())
     if c.axes is None:
         return "exposed: axes unknown"
-    if c.kind == "collective-permute" or c.what.startswith("shifted"):
+    if c.kind == "collective-permute" or c.what == SHIFT_GATHERS:
         return "exposed: pipeline transfer between ticks"  # the shifts, and their gathers
     if "tensor" in axes:
         return "tensor" if tensor_overlap else "exposed: tensor-parallel, inside the layers"
@@ -260,7 +263,7 @@ def step_time(
             c = CollectiveWork(c.kind, c.axes, c.bytes / work.accum,
                                max(1, c.count // work.accum), c.what)  # fmt: skip
             rule = "exposed: after the accumulation loop"
-        if work.reduction_overlap and rule.startswith("exposed: after the"):
+        if work.reduction_overlap and rule in AFTER_LOOPS:
             rule = "micro"  # bucketed, behind one micro-batch's backward and forward
         bw_s = factor * c.bytes / (link.bandwidth * d.link_fraction)
         lat_s = c.count * (d.op_latency + ring_hops(c.kind, g.size) * link.latency)

@@ -362,6 +362,9 @@ def _pipeline(out: _Sink, s: Any, act: float, rows: int) -> None:
     chunk_regroup(out, s)
 
 
+SHIFT_GATHERS = "shifted activations and cotangents, whole over tensor"  # `stage_shifts`
+
+
 def stage_shifts(out: _Sink, s: Any, act: float) -> None:
     """The shifts between stages, two per tick: a micro-batch's activations (``act`` is the
     batch's on this device, whole over tensor) forward and its cotangents backward. Each tensor
@@ -374,8 +377,7 @@ def stage_shifts(out: _Sink, s: Any, act: float) -> None:
             "activations forward, cotangents backward" + (f", 1/{t} per tensor rank" if t > 1
                                                           else ""))  # fmt: skip
     if t > 1 and not splits_sequence_over_tensor(s):
-        out.add("all-gather", ("tensor",), shifts * mb, shifts,
-                "shifted activations and cotangents, whole over tensor")  # fmt: skip
+        out.add("all-gather", ("tensor",), shifts * mb, shifts, SHIFT_GATHERS)
 
 
 def chunk_regroup(out: _Sink, s: Any) -> None:

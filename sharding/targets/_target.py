@@ -18,7 +18,6 @@ its NIC's) (`Group.ring_link`); both wait the inter-node latency per hop.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import math
@@ -279,12 +278,10 @@ class Topology:
             nodes = _nodes_spanned(tuple(self.sizes.values()), inner, self.target.per_node)
             t = self.target
             link = ring = t.intra_link if nodes == 1 else t.inter_link
-            group = Group(axes, size, nodes, link, ring)
             if nodes > 1:  # rings over k rails: k NICs per node, never above the intra link
-                rails = link.bandwidth * group.per_node
+                rails = link.bandwidth * max(1, size // nodes)  # Group.per_node
                 ring = Link(link.name, min(t.intra_link.bandwidth, rails), link.latency)
-                group = dataclasses.replace(group, ring_link=ring)
-            self._groups[axes] = group
+            self._groups[axes] = Group(axes, size, nodes, link, ring)
         return self._groups[axes]
 
     @cached_property
@@ -303,17 +300,15 @@ class Topology:
         if tensor.size > 1 and not tensor.inside_node:
             out.append(
                 f"tensor={tensor.size} spans {tensor.nodes} nodes: tensor-parallel collectives "
-                f"run inside every layer, forward and backward, and would cross "
-                f"{links(tensor)}; keep "
-                f"tensor within a node (at most {t.per_node}) and put data, fsdp or stage across "
-                f"nodes"
+                f"run inside every layer, forward and backward, and would cross {links(tensor)}; "
+                f"keep tensor within a node (at most {t.per_node}) and put data, fsdp or stage "
+                f"across nodes"
             )
         if fsdp.size > 1 and not fsdp.inside_node:
             out.append(
                 f"fsdp={fsdp.size} spans {fsdp.nodes} nodes: every layer's weights are gathered "
-                f"and its gradients reduce-scattered through {links(fsdp)}; consider fsdp within a "
-                f"node "
-                f"and data across nodes (hybrid sharding)"
+                f"and its gradients reduce-scattered through {links(fsdp)}; consider fsdp "
+                f"within a node and data across nodes (hybrid sharding)"
             )
         return out
 
