@@ -35,7 +35,7 @@ ROWS = [
     (
         "compare --target h900",
         r"unknown target 'h900' \(did you mean 'h200'\?\); known devices: "
-        r"h100, h200, b200, a100, v5e, v5p, v6e",
+        r"h100, h200, b200, a100, h100-96gb-500w, v5e, v5p, v6e",
     ),
     ("compare --target h100:3x9", r"a h100 node holds at most 8 devices"),
     ("compare --dtype fp8", r"--dtype 'fp8': choose from float32, bfloat16"),

@@ -17,7 +17,7 @@ ROOT = Path(__file__).parent.parent
 
 
 @pytest.fixture(scope="module")
-def benchmark(tmp_path_factory):
+def priced_runs(tmp_path_factory):
     """One run of the benchmark: (its output folder, its JSON, what it printed)."""
     out = tmp_path_factory.mktemp("published_runs")
     with contextlib.redirect_stdout(io.StringIO()) as printed:
@@ -25,19 +25,18 @@ def benchmark(tmp_path_factory):
     return out, json.loads((out / "published_runs.json").read_text()), printed.getvalue()
 
 
-def test_every_published_run_is_priced_or_says_why(benchmark):
-    out, data, printed = benchmark
+def test_every_published_run_is_priced_or_says_why(priced_runs):
+    out, data, printed = priced_runs
     runs = published_runs.load()["run"]
-    assert len(data["rows"]) + len(data["unpriced"]) == len(runs) == 26
-    assert {u["id"] for u in data["unpriced"]} == {"TT1", "TT3"}
-    assert all("no device profile for 'h100-96gb-500w'" in u["reason"] for u in data["unpriced"])
+    assert len(data["rows"]) == len(runs) == 26 and data["unpriced"] == []
+    assert {r["device"] for r in data["rows"] if r["id"] in ("TT1", "TT3")} == {"h100-96gb-500w"}
     for row in data["rows"]:
         assert row["predicted"] > 0 and row["ratio"] == row["predicted"] / row["published"]
         assert row["dominant"] in ("compute", "exposed comm", "bubble")
     errors = sorted(abs(r["ratio"] - 1) for r in data["rows"])
     stats = data["summary"]
-    assert stats["worst_abs_error"] == errors[-1] and stats["priced"] == 24
-    assert stats["within_15"] == sum(e <= 0.15 for e in errors) / 24
+    assert stats["worst_abs_error"] == errors[-1] and stats["priced"] == 26
+    assert stats["within_15"] == sum(e <= 0.15 for e in errors) / 26
     assert (out / "published_runs.png").stat().st_size > 10_000
     # runs held out of the model's derivation are priced apart, by the same public calls
     held = data["held_out"]
@@ -65,21 +64,21 @@ def test_only_the_benchmark_reads_the_published_runs():
     assert library and not [p for p in library if "published_runs" in p.read_text()]
 
 
-def test_the_shipped_accuracy_is_the_benchmarks_own(benchmark):
+def test_the_shipped_accuracy_is_the_benchmarks_own(priced_runs):
     """compare quotes `sharding.costmodel.expected_error`, read from the table this benchmark
     writes; a model change that moves the errors must rewrite it (``--accuracy``)."""
-    fresh = benchmark[1]["accuracy"]
+    fresh = priced_runs[1]["accuracy"]
     shipped = json.loads(ACCURACY_FILE.read_text())
     assert shipped == fresh, "stale: run python -m benchmarks.published_runs --accuracy"
     assert set(shipped["kinds"]) == {"data", "fsdp", "tensor", "pipeline"}
-    assert sum(k["runs"] for k in shipped["kinds"].values()) == shipped["all"]["runs"] == 24
+    assert sum(k["runs"] for k in shipped["kinds"].values()) == shipped["all"]["runs"] == 26
     tp = expected_error({"data": 48, "tensor": 8})
     row = shipped["kinds"]["tensor"]
     assert (tp.kind, tp.runs, tp.median, tp.worst) == ("tensor", 6, row["median"], row["worst"])
     assert tp.sentence().startswith("Expected error: on 6 published tensor-parallel runs")
     assert f"off by {row['median']:.0%} (median), {row['worst']:.0%} at worst" in tp.sentence()
     # each kind names the sources of its own runs
-    sources = {r["source"] for r in benchmark[1]["rows"] if r["kind"] == "tensor"}
+    sources = {r["source"] for r in priced_runs[1]["rows"] if r["kind"] == "tensor"}
     assert tp.measured == row["measured"] == "; ".join(sorted(sources)) and len(sources) == 2
 
 

@@ -20,6 +20,7 @@ from sharding.targets import (
     TargetSizeError,
     TopologyError,
     UnknownTargetError,
+    capped_h100_peaks,
     load_profile,
     target,
 )
@@ -47,6 +48,19 @@ def test_datasheet_figures():
     assert PROFILES["a100"].inter_bw == 25e9  # 200 Gb/s HDR per GPU
     assert v5e.peak_f32 == v5e.peak_bf16 == 197e12  # float32 runs one bf16 pass on TPU
     assert (v5e.hbm_bytes, v5e.devices_per_node, v5e.default_devices) == (16 * GIB, 256, 8)
+
+
+def test_a_power_capped_h100_interpolates_between_two_datasheets():
+    """torchtitan's H100 96GB HBM2e at 500 W: the peak between the NVL's 400 W and the SXM5's
+    700 W points; a cap outside them is refused."""
+    assert capped_h100_peaks(700) == {"bfloat16": 989.4e12, "float32": 494.7e12}
+    assert capped_h100_peaks(400) == {"bfloat16": 835.5e12, "float32": 417.5e12}
+    spec = PROFILES["h100-96gb-500w"]
+    assert spec.peak_bf16 == pytest.approx(835.5e12 + (989.4e12 - 835.5e12) / 3)
+    assert (spec.hbm_bytes, spec.hbm_bw, spec.inter_bw) == (96 * GIB, 2.4e12, 50e9)
+    assert "500 W" in spec.source and target("h100-96gb-500w:16x8").devices == 128
+    with pytest.raises(TargetError, match=r"watts=300: an H100's cap interpolates between 400"):
+        capped_h100_peaks(300)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +97,8 @@ def test_describe_is_one_line_and_to_dict_is_json():
     ("text", "error", "match"),
     [
         ("h10", UnknownTargetError, r"unknown target 'h10' \(did you mean 'h100'\?\); known "
-                                    r"devices: h100, h200, b200, a100, v5e, v5p, v6e"),
+                                    r"devices: h100, h200, b200, a100, h100-96gb-500w, v5e, "
+                                    r"v5p, v6e"),
         ("mi300x:8", UnknownTargetError, r"unknown target 'mi300x'.*\.toml device profile"),
         ("h100:16", TargetSizeError, r"16 devices do not fit one h100 node \(8 per node\); "
                                      r"write the nodes out, e.g. 'h100:2x8'"),

@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--target", default="h100:1x8",
                    help="the cluster to answer for: DEVICE[:NODESxPER_NODE] (h100, h200, b200, "
-                   "a100, v5e, v5p, v6e; e.g. h100:4x8) or a TOML device profile")  # fmt: skip
+                   "a100, h100-96gb-500w, v5e, v5p, v6e; e.g. h100:4x8) or a TOML device "
+                   "profile")  # fmt: skip
     p.add_argument("--devices", action=_Renamed,
                    new="--target DEVICE:NODESxPER_NODE, e.g. --target h100:1x{}")  # fmt: skip
     p.add_argument("--mesh", help="run every strategy on this one mesh instead of its own shape")

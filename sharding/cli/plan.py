@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    size_help=f" (default: {defaults}, the largest that fits 8 H100s; else tiny)")  # fmt: skip
     p.add_argument("--target", default="h100:1x8",
                    help="the cluster: DEVICE:NODESxPER (e.g. h100:64x8 = 512 H100s), DEVICE, or "
-                   "a .toml device profile (devices: h100, h200, b200, a100, v5e, v5p, v6e)")  # fmt: skip
+                   "a .toml device profile (devices: h100, h200, b200, a100, h100-96gb-500w, "
+                   "v5e, v5p, v6e)")  # fmt: skip
     p.add_argument("--memory", help="memory a step may fill per device, e.g. 70GB (when unset: "
                    "90%% of the target's HBM)")  # fmt: skip
     p.add_argument("--batch", type=positive_int,

@@ -2,8 +2,9 @@
 
 `target` parses ``"h100:2x8"`` (2 nodes of 8 H100s), ``"h100"``, ``"h100:8"`` or a TOML device
 profile into a `Target`; `PROFILES` are the shipped `DeviceSpec`s (H100, H200, B200, A100, TPU
-v5e, v5p, v6e, each citing its datasheet); `load_profile` reads a user's (its docstring lists
-the keys and units). `Target.topology(mesh)` lays a mesh on the nodes, tensor innermost, and
+v5e, v5p, v6e, each citing its datasheet, and the 500 W H100 96GB of torchtitan's runs, its
+peaks from `capped_h100_peaks`); `load_profile` reads a user's (its docstring lists the keys and
+units). `Target.topology(mesh)` lays a mesh on the nodes, tensor innermost, and
 says which collective groups cross nodes and at which link they are priced. Every error is a
 `TargetError`.
 
@@ -14,14 +15,13 @@ Example:
 """
 
 from sharding.targets._devices import (
-    ALIASES,
     PLATFORMS,
-    PROFILES,
     DeviceSpec,
     TargetError,
     TargetProfileError,
     load_profile,
 )
+from sharding.targets._profiles import ALIASES, PROFILES, capped_h100_peaks
 from sharding.targets._target import (
     FORMS,
     Group,
@@ -51,6 +51,7 @@ __all__ = [
     "Topology",
     "TopologyError",
     "UnknownTargetError",
+    "capped_h100_peaks",
     "load_profile",
     "target",
 ]

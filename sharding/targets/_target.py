@@ -31,14 +31,8 @@ from typing import Any
 import numpy as np
 
 from sharding._mesh import AXES, MeshSpec, MeshSpecError, mesh_text
-from sharding.targets._devices import (
-    ALIASES,
-    GIB,
-    PROFILES,
-    DeviceSpec,
-    TargetError,
-    load_profile,
-)
+from sharding.targets._devices import GIB, DeviceSpec, TargetError, load_profile
+from sharding.targets._profiles import ALIASES, PROFILES
 
 _SIZE = re.compile(r"^(?:(\d+)x)?(\d+)$")
 FORMS = "NAME, NAME:COUNT, NAME:NODESxPER (e.g. 'h100:2x8') or a path to a .toml profile"
