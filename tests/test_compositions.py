@@ -239,7 +239,7 @@ def test_the_sixteen_device_cases_pass_in_a_child_pytest():
     env = {**os.environ, "SPMDKIT_TEST_DEVICES": "16"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-         "-p", "no:xdist", "-k", "sixteen_devices"],
+         "-p", "no:xdist", "-p", "no:benchmark", "-k", "sixteen_devices"],
         capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -94,11 +94,13 @@ def test_pipeline_with_a_sequence_split_matches_one_device(family, strategy, mes
     assert_close(grads, ref_grads)
 
 
-def test_zb_h1_splits_a_rematerialised_backward_with_ring_attention():
-    """zb-h1 splits each chunk's backward into B and W by evaluating its jaxpr; with remat full
-    the recomputed forward, inlined, meets values the lane made varying over the manual axes
-    (it once raised jax's ValueError on a pvary). Same numbers as one device."""
-    prog = build_program(workload(), "pp_cp", PP_CP, batch=BATCH, seq=SEQ, schedule="zb-h1",
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_a_rematerialised_backward_with_ring_attention(schedule):
+    """The explicit schedules replay each chunk's rematerialised forward on residuals the lane
+    made varying over the manual axes; zb-h1 also splits that backward into B and W by
+    evaluating its jaxpr. Each once raised jax's ValueError on a pvary (zb-h1 on jax 0.10, both
+    on 0.12, from the positions table sliced by the context index). Same numbers as one device."""
+    prog = build_program(workload(), "pp_cp", PP_CP, batch=BATCH, seq=SEQ, schedule=schedule,
                          microbatches=MICRO, context_method="ring", remat="full")  # fmt: skip
     _, params = one_device("llama")
     loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings),

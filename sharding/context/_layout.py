@@ -79,8 +79,15 @@ def positions_kernel(context: int, *, zigzag: bool = True) -> Callable[[int], ja
     def positions(seq_len: int) -> jax.Array:
         if AXIS not in manual_axes():
             return order(seq_len)
-        whole = order(seq_len * context)
-        return lax.dynamic_slice_in_dim(whole, lax.axis_index(AXIS) * seq_len, seq_len)
+        # This device's slice, from its index and an iota rather than a table sliced by the
+        # index: the table, a constant cast to vary over context, becomes a residual of a
+        # rematerialised layer, and jax 0.12 refuses to replay that cast on it once a pipeline's
+        # lane has made it varying (invariant->variant pvary on a varying value).
+        i, slot = lax.axis_index(AXIS), lax.iota(jnp.int32, seq_len)
+        if not zigzag:
+            return i * seq_len + slot
+        half = check_balanced_seq(seq_len * context, context)  # chunks i and 2c-1-i, in halves
+        return jnp.where(slot < half, i, 2 * context - 1 - i) * half + slot % half
 
     return positions
 

@@ -142,13 +142,14 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: list, *, inline: bool) ->
 
 
 def varying_axes(x: Any) -> frozenset:
-    """The manual mesh axes ``x`` varies over (``aval.vma``; jax 0.10 keeps it in
-    ``aval.manual_axis_type.varying``)."""
+    """The manual mesh axes ``x`` varies over: ``aval.vma``, which jax 0.10 keeps in
+    ``aval.manual_axis_type.varying`` and jax 0.12 in ``aval.mat.varying``."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
+    for holder in ("mat", "manual_axis_type"):
+        if vma is None:
+            vma = getattr(getattr(aval, holder, None), "varying", None)
+    return frozenset(vma or ())
 
 
 def _already_varying(eqn: Any, invals: list, env: dict) -> bool:
