@@ -17,6 +17,7 @@ import pytest
 import models
 import sharding
 from sharding.costmodel import (
+    REASSOCIATED,
     CollectiveWork,
     StepTimeError,
     StepWork,
@@ -247,6 +248,25 @@ def test_work_from_report_reads_the_compiled_program():
                          hlo_text=program.compiled.as_text())  # fmt: skip
     with pytest.raises(StepTimeError, match=r"the report has no mesh"):
         work_from_report(dataclasses.replace(report, mesh=None), tokens=1)
+
+
+def test_a_compiled_program_keeps_apart_what_the_closed_form_says_gpu_sums_first():
+    """tp's CPU program all-reduces each of q, k, v, gate and up's input gradients; the closed
+    form's REASSOCIATED row (3 of 5 per layer) moves out of the compiled tensor all-reduces,
+    which a GPU target then does not price and a TPU target does."""
+    _, report = compiled("tp", "data=2,tensor=4")
+    pred = predict(models.llama, "tiny", "tp", {"data": 2, "tensor": 4}, BATCH, SEQ)
+    (merged,) = [t for t in pred.traffic if t.what == REASSOCIATED]
+    plain = work_from_report(report, tokens=BATCH * SEQ)
+    work = work_from_report(report, tokens=BATCH * SEQ, reassociated=(merged.bytes, merged.count))
+    tensor = [(c.bytes, c.count, c.what) for c in work.collectives if c.axes == ("tensor",)]
+    (whole,) = [c for c in plain.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))]
+    assert tensor == [(whole.bytes - merged.bytes, whole.count - merged.count, ""),
+                      (merged.bytes, merged.count, REASSOCIATED)]  # fmt: skip
+    gpu, tpu = step_time(work, "h100"), step_time(work, "v5p:8")
+    assert step_time(plain, "v5p:8").step_s == pytest.approx(tpu.step_s)
+    assert gpu.exposed_comm_s < step_time(plain, "h100").exposed_comm_s
+    assert len(gpu.collectives) == len(tpu.collectives) - 1
 
 
 def test_gpipe_ticks_compute_on_zeros_so_the_compiled_count_is_what_runs():

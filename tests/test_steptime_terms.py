@@ -1,12 +1,20 @@
 """The step-time model's terms: rings over rails, accumulation's reductions on each platform,
-collective matmuls, bucketed gradient reductions, and the memory-bound bytes of the non-matmul work, each by hand."""
+input gradients summed before their all-reduce on GPU, collective matmuls, bucketed gradient
+reductions, and the memory-bound bytes of the non-matmul work, each by hand."""
 
 from __future__ import annotations
 
 import pytest
 
 import models
-from sharding.costmodel import CollectiveWork, StepWork, predict, step_time, work_from_prediction
+from sharding.costmodel import (
+    REASSOCIATED,
+    CollectiveWork,
+    StepWork,
+    predict,
+    step_time,
+    work_from_prediction,
+)
 from sharding.targets import PROFILES, TargetProfileError, load_profile, target
 
 RATE = 989.4e12 * 0.6  # bf16 matmul FLOP/s per H100 at the default fraction
@@ -103,6 +111,33 @@ def _profile(tmp_path, extra: str):
         f"inter_node_gb_per_s = 10\ninter_node_latency_us = 5\n{extra}\n"
     )
     return path
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mesh", "pipeline"),
+    [("tp", {"data": 2, "tensor": 4}, None),
+     ("pp_tp", {"stage": 2, "data": 2, "tensor": 2}, ("1f1b", 4, 1))],
+)  # fmt: skip
+def test_input_gradients_of_one_input_take_one_all_reduce_on_gpu(strategy, mesh, pipeline):
+    """llama's q, k, v read one input and gate, up another: of its 5 column-parallel input
+    gradients per layer, the CPU program all-reduces each, XLA for GPU sums 3 into the other
+    2's all-reduces (AllReduceReassociate); a TPU target prices all 5."""
+    pred = predict(models.llama, "tiny", strategy, mesh, 16, 32, pipeline=pipeline)
+    rows = {t.what: t for t in pred.traffic if t.axes == ("tensor",) and t.kind == "all-reduce"}
+    kept = next(t for w, t in rows.items() if "column-parallel input gradients" in w and
+                w != REASSOCIATED)  # fmt: skip
+    merged = rows[REASSOCIATED]
+    if pipeline is None:  # one row of its own: 2 per layer kept, 3 merged, of one size each
+        layers = models.llama.config("tiny").n_layers
+        assert (kept.count, merged.count) == (2 * layers, 3 * layers)
+        assert merged.bytes == 1.5 * kept.bytes
+    work = work_from_prediction(pred)
+    gpu, tpu = step_time(work, "h100"), step_time(work, "v5p:8")
+    priced = [c.bytes for c in tpu.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))]
+    assert sum(priced) - merged.bytes == pytest.approx(sum(
+        c.bytes for c in gpu.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))))
+    assert any("summed first by XLA for gpu (AllReduceReassociate)" in a for a in gpu.assumptions)
+    assert any("priced one per kernel" in a for a in tpu.assumptions)
 
 
 def test_collective_matmuls_hide_tensor_traffic_only_where_the_program_overlaps_it():

@@ -26,8 +26,10 @@ from sharding._init import state_bytes
 from sharding._mesh import mesh_text
 from sharding._workload import Workload
 from sharding.costmodel import (
+    REASSOCIATED,
     CostModelError,
     Layout,
+    Prediction,
     StepTime,
     StepWork,
     predict,
@@ -172,12 +174,16 @@ def evaluate(
     report = program.report()
     tokens = settings.batch * (settings.seq or 1)
     piped = program.schedule is not None
+    closed = closed_form(layout, work, settings, dtype, remat, accum)
+    merged = [(t.bytes, t.count) for t in (closed.traffic if closed else [])
+              if t.what == REASSOCIATED]  # fmt: skip
     sw = work_from_report(report, tokens=tokens, dtype=dtype, unit=work.unit,
                           model_flops=useful_flops, schedule=program.schedule,
                           hlo_text=program.compiled.as_text() if piped else None, remat=remat,
                           stage_layers=program.pipeline.stage_layers if piped else None,
-                          accum=accum, elementwise_bytes=elementwise_of(
-                              layout, work, settings, dtype, remat, accum))  # fmt: skip
+                          accum=accum, elementwise_bytes=closed and closed.elementwise_bytes,
+                          reassociated=(sum(b for b, _ in merged), sum(n for _, n in merged))
+                          if merged else None)  # fmt: skip
     by_axes = [{"kind": k, "axes": list(a or ()), "count": s.count, "bytes": s.bytes}
                for (k, a), s in report.summary(by_axes=True).items()]  # fmt: skip
     candidate = Candidate(
@@ -196,10 +202,11 @@ def evaluate(
     return candidate, program
 
 
-def elementwise_of(layout: Layout, work: Workload, settings: Settings, dtype: str, remat: str,
-                   accum: int) -> float | None:  # fmt: skip
-    """Bytes the step's non-matmul work moves per device (`predict`'s ``elementwise_bytes``), for
-    a workload with a closed form (``family``); None without one."""
+def closed_form(layout: Layout, work: Workload, settings: Settings, dtype: str, remat: str,
+                accum: int) -> Prediction | None:  # fmt: skip
+    """The candidate's closed-form `Prediction`, for a workload with one (``family``), whose
+    counts the compiled program lacks: the bytes the non-matmul work moves, and the input
+    gradients XLA for GPU sums before reducing (`REASSOCIATED`); None without one."""
     if work.family is None or not hasattr(work.config, "n_layers") or settings.seq is None:
         return None
     try:
@@ -208,7 +215,7 @@ def elementwise_of(layout: Layout, work: Workload, settings: Settings, dtype: st
                        attention=settings.attention or "auto", accum=accum)  # fmt: skip
     except CostModelError:
         return None
-    return pred.elementwise_bytes
+    return pred
 
 
 def measure_here(

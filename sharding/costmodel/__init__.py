@@ -57,6 +57,7 @@ from sharding.costmodel._search import (
     memory_budget,
     rank_estimates,
 )
+from sharding.costmodel._sequence import REASSOCIATED
 from sharding.costmodel._setup import DTYPE_BYTES
 from sharding.costmodel._steptime import (
     MEMORY_FRACTION,
@@ -83,6 +84,7 @@ __all__ = [
     "MEMORY_FRACTION",
     "OPTIMIZER_MOMENTS",
     "ORDER",
+    "REASSOCIATED",
     "SEQUENCE_STRATEGIES",
     "Accuracy",
     "Check",

@@ -46,7 +46,9 @@ from sharding._mesh import BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
 from sharding.costmodel._lanes import lane_runs, lockstep
 from sharding.costmodel._sequence import (
+    REASSOCIATED,
     gathered_inputs,
+    merged_input_gradients,
     norm_vector_bytes,
     splits_sequence_over_tensor,
 )
@@ -231,9 +233,13 @@ def _explicit_tensor(out: _Sink, s: Any, act: float) -> None:
     chunk = s.cfg.n_layers // (sz["stage"] * sched.repeats)
     mb = act / sched.microbatches  # whole sequences (under SP: gathered before the matmuls)
     col, row = matmul_kinds(s.params, sz)  # SP's gathers and norm sums: `_kernels`
+    merged = merged_input_gradients(s, col)
+    col -= merged
     out.add("all-reduce", ("tensor",), chunk * (fwd * row + bwd * col) * mb,
             chunk * (fwd * row + bwd * col),
             "row-parallel outputs (F lanes), column-parallel input gradients (B lanes)")  # fmt: skip
+    out.add("all-reduce", ("tensor",), chunk * bwd * merged * mb, chunk * bwd * merged,
+            REASSOCIATED)  # fmt: skip
     if s.remat == "full" and not sp:  # SP's recomputed reductions: `_kernels`
         # All but the layer's last: its output is the carry the next layer's recompute reads.
         out.add("all-reduce", ("tensor",), chunk * bwd * (row - 1) * mb, chunk * bwd * (row - 1),

@@ -12,7 +12,8 @@ tensor-parallel matmuls (`sharding.compile_train_step` pins them; see
   the compiled program, like `tp`'s model, shows an all-reduce of the same operand; its
   cotangent is all-gathered in backward;
 - the column-parallel input gradients are all-reduced per kernel exactly as under tp (the
-  partitioner sums the partial products after reducing each one) and then sliced;
+  partitioner sums the partial products after reducing each one) and then sliced; XLA for GPU
+  sums them first (`merged_input_gradients`);
 - norm scales and biases see S/t of the sequence, so their gradients are partial sums, all-reduced
   over tensor once per layer (the biases of row-parallel modules are added to whole rows, after
   the gather, and need none);
@@ -66,6 +67,28 @@ def _kind(s: Any, q: Any) -> str | None:
     return "row" if on[0] and not on[-1] else None
 
 
+# The column-parallel input gradients beyond one per input: the partitioner all-reduces each
+# kernel's partial product (q, k and v's each) and then sums them, as the CPU program shows;
+# XLA for GPU's collective optimisations (AllReduceReassociate, after SPMD partitioning) turn
+# add(all-reduce(a), all-reduce(b)) into all-reduce(add(a, b)), one per input.
+REASSOCIATED = "column-parallel input gradients summed before one all-reduce on GPU"
+
+
+def merged_input_gradients(s: Any, col: int) -> int:
+    """Of a layer's ``col`` column-parallel input-gradient all-reduces, those XLA for GPU merges
+    into another's (`REASSOCIATED`): all but one per input the column kernels read."""
+    return col - min(col, gathered_inputs(s))
+
+
+def input_gradients(out: Any, s: Any, col: int, count: int, act: float) -> None:
+    """Add ``count`` layers' column-parallel input-gradient all-reduces (``col`` per layer, each
+    of ``act`` bytes) to ``out``: one per input, and the rest as `REASSOCIATED`."""
+    merged = merged_input_gradients(s, col)
+    out.add("all-reduce", ("tensor",), count * (col - merged) * act, count * (col - merged),
+            "column-parallel input gradients")  # fmt: skip
+    out.add("all-reduce", ("tensor",), count * merged * act, count * merged, REASSOCIATED)
+
+
 def norm_vector_bytes(s: Any) -> float:
     """float32 gradient bytes per layer of the layer vectors that norms read on S/t of the
     sequence: every [L, D] parameter not split over tensor, less the biases of row-parallel
@@ -107,7 +130,10 @@ def sequence_traffic(out: Any, s: Any, act: float) -> None:
 
 
 __all__ = [
+    "REASSOCIATED",
     "gathered_inputs",
+    "input_gradients",
+    "merged_input_gradients",
     "norm_vector_bytes",
     "sequence_axes",
     "sequence_traffic",

@@ -34,6 +34,7 @@ from typing import Any
 from sharding._mesh import AXES, mesh_text
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._predict import CostModelError
+from sharding.costmodel._sequence import REASSOCIATED
 from sharding.costmodel._traffic import SHIFT_GATHERS
 from sharding.inspection import overlap_options
 from sharding.targets import PLATFORMS, Target, target
@@ -255,7 +256,10 @@ def step_time(
     memory_s = work.memory_bound_bytes / (d.hbm_bw * d.hbm_fraction)
     rows, by_rule = [], defaultdict(float)
     sinks = work.accum > 1 and PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
+    merges = PLATFORMS[d.platform]["reassociates_all_reduces"]
     for c in work.collectives:
+        if merges and c.what == REASSOCIATED:  # summed into another input gradient's
+            continue
         g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
         factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined, work.tensor_overlap)
         link = g.ring_link if c.kind in RINGS else g.link
@@ -359,6 +363,14 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
             + ("behind the last micro-batch (above); " if work.reduction_overlap else "exposed; ")
             + "fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
             "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
+    merged = sum(c.bytes for c in work.collectives if c.what == REASSOCIATED)
+    if merged:
+        out.append(f"{fmt_bytes(merged)} of column-parallel input-gradient all-reduces are " + (
+            f"summed first by XLA for {d.platform} (AllReduceReassociate): one all-reduce per "
+            f"input the kernels read (q, k, v: one), not one per kernel as the CPU program "
+            f"shows; not priced." if PLATFORMS[d.platform]["reassociates_all_reduces"] else
+            f"priced one per kernel, as the program shows (XLA for {d.platform} is not known to "
+            f"sum them first)."))  # fmt: skip
     if work.schedule:
         out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "
                    f"{fmt_count(work.bubble_flops)} FLOPs of the critical path are bubble, shown "

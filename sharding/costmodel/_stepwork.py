@@ -24,6 +24,7 @@ from typing import Any
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._lanes import Lanes, lane_runs, price
 from sharding.costmodel._predict import Prediction
+from sharding.costmodel._sequence import REASSOCIATED
 from sharding.costmodel._steptime import CollectiveWork, StepTimeError, StepWork
 from sharding.inspection import FlopCounter, ProgramReport
 from sharding.pipeline import Kind, Schedule, make_schedule
@@ -184,17 +185,18 @@ def _pipeline_flops(
 
 
 def _collectives_of(items: list, key: Callable) -> list[CollectiveWork]:
-    """One `CollectiveWork` per (kind, axes), first seen first. Entries of one purpose
-    (``what``) run combined, as XLA's combiners merge a layer's per-parameter reductions: their
-    count is the largest of theirs."""
+    """One `CollectiveWork` per (kind, axes), first seen first, and apart those the step time
+    prices by platform (`REASSOCIATED`). Entries of one purpose (``what``) run combined, as
+    XLA's combiners merge a layer's per-parameter reductions: their count is the largest of
+    theirs."""
     groups: dict[tuple, list] = {}
     for x in items:
         kind, axes, nbytes, count, what = key(x)
-        g = groups.setdefault((kind, axes), [0, {}])
+        g = groups.setdefault((kind, axes, what == REASSOCIATED), [0, {}])
         g[0] += nbytes
         g[1][what] = max(g[1].get(what, 0), count) if what else g[1].get(what, 0) + count
     return [CollectiveWork(k, a, b, sum(n.values()), "; ".join(filter(None, n)))
-            for (k, a), (b, n) in groups.items()]  # fmt: skip
+            for (k, a, _), (b, n) in groups.items()]  # fmt: skip
 
 
 def work_from_report(
@@ -211,6 +213,7 @@ def work_from_report(
     stage_layers: Sequence[int] | None = None,
     accum: int = 1,
     elementwise_bytes: float | None = None,
+    reassociated: tuple[float, int] | None = None,
 ) -> StepWork:
     """The `StepWork` of a compiled step: FLOPs, collectives and memory read from the program.
 
@@ -235,6 +238,9 @@ def work_from_report(
         accum: the step's micro-steps (``accum_steps``): its gradient all-reduces, which the
             program runs once per micro-step, run once per step where the target's compiler
             moves them out of the loop (`sharding.targets.PLATFORMS`).
+        reassociated: (bytes, count) of the program's tensor all-reduces that XLA for GPU sums
+            into another's (the closed form's `REASSOCIATED` row, which the CPU program shows
+            apart): kept apart so that `step_time` prices them by platform; None: all priced.
 
     Example:
         >>> program = build_program(llama, "dp", "data=8", batch=16, seq=32)  # doctest: +SKIP
@@ -269,7 +275,7 @@ def work_from_report(
         memory_bytes=None if mem is None else mem.native, notes=notes, accum=accum,
         elementwise_bytes=min(elementwise_bytes or 0.0, memory_bound_bytes))  # fmt: skip
     if schedule is None:
-        return work
+        return _apart(work, reassociated)
     work.schedule, work.bubble_fraction = schedule.name, schedule.bubble_fraction
     work.microbatches = schedule.microbatches
     if hlo_text is None:
@@ -282,7 +288,7 @@ def work_from_report(
         work.bubble_flops = schedule.bubble_fraction * work.matmul_flops
         notes.append("Bubble: the bubble fraction of all matmul FLOPs (no HLO given: work "
                      "outside the tick scan counted as if it ticked).")  # fmt: skip
-        return work
+        return _apart(work, reassociated)
     p, share = _pipeline_flops(hlo_text, schedule, stage_layers)
     work.pipeline = p
     if not schedule.explicit:
@@ -291,7 +297,7 @@ def work_from_report(
                      f"zeros), so the compiled count is what runs; bubble = "
                      f"{schedule.bubble_fraction:.1%} of the {fmt_count(p['loop_flops'])} FLOPs "
                      f"of the tick loops.")  # fmt: skip
-        return work
+        return _apart(work, reassociated)
     work.matmul_flops = p["critical_flops"]
     work.bubble_flops = p["critical_flops"] - p["busiest_device_flops"]
     # Collectives inside a lane (tensor-parallel reductions) run when it does, not every tick.
@@ -308,6 +314,21 @@ def work_from_report(
         f"{fmt_count(p['backward_tick_flops'])}{weight}; bubble = the critical path less the "
         f"busiest stage's own work."
     )
+    return _apart(work, reassociated)
+
+
+def _apart(work: StepWork, reassociated: tuple[float, int] | None) -> StepWork:
+    """``work`` with ``reassociated`` (bytes, count) moved out of its tensor all-reduces into a
+    `REASSOCIATED` row (at most what they hold)."""
+    whole = next((c for c in work.collectives
+                  if (c.kind, c.axes, c.what) == ("all-reduce", ("tensor",), "")), None)  # fmt: skip
+    if not reassociated or whole is None:
+        return work
+    nbytes, count = min(reassociated[0], whole.bytes), min(reassociated[1], whole.count)
+    at = work.collectives.index(whole)
+    work.collectives[at : at + 1] = [
+        CollectiveWork("all-reduce", ("tensor",), whole.bytes - nbytes, whole.count - count),
+        CollectiveWork("all-reduce", ("tensor",), nbytes, count, REASSOCIATED)]  # fmt: skip
     return work
 
 

@@ -16,7 +16,11 @@ from typing import Any
 
 from sharding._mesh import AXES, BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
-from sharding.costmodel._sequence import sequence_traffic, splits_sequence_over_tensor
+from sharding.costmodel._sequence import (
+    input_gradients,
+    sequence_traffic,
+    splits_sequence_over_tensor,
+)
 from sharding.experts import ALL_TO_ALLS_PER_LAYER, ep_all_to_all_bytes, expert_slots
 
 # Per-row softmax statistics a vocabulary-split head all-reduces over tensor (max, sum of exps,
@@ -332,8 +336,7 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
             again = row - 1 if sched is None else row
             out.add("all-reduce", ("tensor",), count * again * a, count * again,
                     "row-parallel outputs (recomputed in backward)")  # fmt: skip
-        out.add("all-reduce", ("tensor",), count * col * a, count * col,
-                "column-parallel input gradients")  # fmt: skip
+        input_gradients(out, s, col, count, a)  # one per input on GPU
         sequence_traffic(out, s, act)  # Megatron SP's gathers (strategies tp_sp, fsdp_tp_sp)
 
 

@@ -46,9 +46,13 @@ GIB = 2**30
 # so they stay in the loop, each hidden behind its micro-step's backward. XLA:CPU does not sink
 # them (measured: dp's all-reduce k-fold over k micro-steps), nor is it documented for TPU, which
 # keeps the count the program shows.
+# "reassociates_all_reduces": the same pipeline runs AllReduceReassociate, which rewrites
+# add(all-reduce(a), all-reduce(b)) as all-reduce(add(a, b)): the partial input gradients of the
+# column-parallel kernels that read one input (q, k and v; gate and up), each all-reduced by the
+# partitioner before their sum as XLA:CPU shows, take one all-reduce per input on a GPU.
 PLATFORMS: dict[str, dict[str, bool]] = {
-    "gpu": {"sinks_accumulated_all_reduces": True},
-    "tpu": {"sinks_accumulated_all_reduces": False},
+    "gpu": {"sinks_accumulated_all_reduces": True, "reassociates_all_reduces": True},
+    "tpu": {"sinks_accumulated_all_reduces": False, "reassociates_all_reduces": False},
 }
 
 
