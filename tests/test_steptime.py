@@ -18,9 +18,11 @@ import models
 import sharding
 from sharding.costmodel import (
     REASSOCIATED,
+    SCATTERED,
     CollectiveWork,
     StepTimeError,
     StepWork,
+    apart_class,
     predict,
     ring_factor,
     ring_hops,
@@ -250,23 +252,34 @@ def test_work_from_report_reads_the_compiled_program():
         work_from_report(dataclasses.replace(report, mesh=None), tokens=1)
 
 
-def test_a_compiled_program_keeps_apart_what_the_closed_form_says_gpu_sums_first():
-    """tp's CPU program all-reduces each of q, k, v, gate and up's input gradients; the closed
-    form's REASSOCIATED row (3 of 5 per layer) moves out of the compiled tensor all-reduces,
-    which a GPU target then does not price and a TPU target does."""
-    _, report = compiled("tp", "data=2,tensor=4")
-    pred = predict(models.llama, "tiny", "tp", {"data": 2, "tensor": 4}, BATCH, SEQ)
-    (merged,) = [t for t in pred.traffic if t.what == REASSOCIATED]
+@pytest.mark.parametrize("strategy", ["tp", "tp_sp"])
+def test_a_compiled_program_keeps_apart_what_a_gpu_runs_otherwise(strategy):
+    """The CPU program all-reduces each of q, k, v, gate and up's input gradients, and under SP
+    each row-parallel output before slicing it; the closed form's marked rows (REASSOCIATED:
+    3 of 5 input gradients per layer; SCATTERED: SP's row outputs) move out of the compiled
+    tensor all-reduces, which a GPU target then prices as XLA for GPU runs them (the first not
+    at all, the second as reduce-scatters) and a TPU target as compiled."""
+    _, report = compiled(strategy, "data=2,tensor=4")
+    pred = predict(models.llama, "tiny", strategy, {"data": 2, "tensor": 4}, BATCH, SEQ)
+    apart = {}
+    for t in pred.traffic:
+        if apart_class(t.what):
+            b, n = apart.get(apart_class(t.what), (0, 0))
+            apart[apart_class(t.what)] = (b + t.bytes, n + t.count)
+    assert set(apart) == ({REASSOCIATED, SCATTERED} if strategy == "tp_sp" else {REASSOCIATED})
     plain = work_from_report(report, tokens=BATCH * SEQ)
-    work = work_from_report(report, tokens=BATCH * SEQ, reassociated=(merged.bytes, merged.count))
-    tensor = [(c.bytes, c.count, c.what) for c in work.collectives if c.axes == ("tensor",)]
+    work = work_from_report(report, tokens=BATCH * SEQ, apart=apart)
     (whole,) = [c for c in plain.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))]
-    assert tensor == [(whole.bytes - merged.bytes, whole.count - merged.count, ""),
-                      (merged.bytes, merged.count, REASSOCIATED)]  # fmt: skip
+    tensor = [(c.bytes, c.count, c.what) for c in work.collectives
+              if (c.kind, c.axes) == ("all-reduce", ("tensor",))]  # fmt: skip
+    assert tensor == [(whole.bytes - sum(b for b, _ in apart.values()),
+                       whole.count - sum(n for _, n in apart.values()), ""),
+                      *((b, n, k) for k, (b, n) in apart.items())]  # fmt: skip
     gpu, tpu = step_time(work, "h100"), step_time(work, "v5p:8")
     assert step_time(plain, "v5p:8").step_s == pytest.approx(tpu.step_s)
     assert gpu.exposed_comm_s < step_time(plain, "h100").exposed_comm_s
     assert len(gpu.collectives) == len(tpu.collectives) - 1
+    assert ("reduce-scatter" in {c.kind for c in gpu.collectives}) == (strategy == "tp_sp")
 
 
 def test_gpipe_ticks_compute_on_zeros_so_the_compiled_count_is_what_runs():

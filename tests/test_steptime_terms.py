@@ -9,6 +9,7 @@ import pytest
 import models
 from sharding.costmodel import (
     REASSOCIATED,
+    SCATTERED,
     CollectiveWork,
     StepWork,
     predict,
@@ -138,6 +139,28 @@ def test_input_gradients_of_one_input_take_one_all_reduce_on_gpu(strategy, mesh,
         c.bytes for c in gpu.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))))
     assert any("summed first by XLA for gpu (AllReduceReassociate)" in a for a in gpu.assumptions)
     assert any("priced one per kernel" in a for a in tpu.assumptions)
+
+
+def test_sequence_parallel_row_outputs_are_reduce_scatters_on_gpu():
+    """Megatron SP reduces each row-parallel output onto the sequence split: the CPU program
+    writes an all-reduce and a slice (as tp's all-reduce, same operand); XLA for GPU makes the
+    pair one reduce-scatter, (n-1)/n of the operand instead of 2(n-1)/n. tp has none."""
+    mesh = {"data": 2, "tensor": 4}
+    sp = predict(models.llama, "tiny", "tp_sp", mesh, 16, 32, remat="full")
+    tp = predict(models.llama, "tiny", "tp", mesh, 16, 32, remat="full")
+    assert not [t for t in tp.traffic if SCATTERED in t.what]
+    rows = [t for t in sp.traffic if SCATTERED in t.what]
+    layers = models.llama.config("tiny").n_layers
+    assert sorted(t.count for t in rows) == [layers, 2 * layers]  # recomputed: all but the carry
+    assert {t.kind for t in rows} == {"all-reduce"}
+    work = work_from_prediction(sp)
+    at = next(i for i, c in enumerate(work.collectives) if SCATTERED in c.what)
+    gpu, tpu = step_time(work, "h100"), step_time(work, "v5p:8")
+    (rs,) = [c for c in gpu.collectives if c.kind == "reduce-scatter"]  # the only one
+    ar = tpu.collectives[at]  # the TPU prices every row as the program shows it
+    assert (rs.kind, rs.factor, ar.kind, ar.factor) == ("reduce-scatter", 3 / 4, "all-reduce", 1.5)
+    assert rs.bytes == ar.bytes == sum(t.bytes for t in rows)
+    assert any("reduce-scatters: XLA for gpu" in a for a in gpu.assumptions)
 
 
 def test_collective_matmuls_hide_tensor_traffic_only_where_the_program_overlaps_it():

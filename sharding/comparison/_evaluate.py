@@ -26,12 +26,12 @@ from sharding._init import state_bytes
 from sharding._mesh import mesh_text
 from sharding._workload import Workload
 from sharding.costmodel import (
-    REASSOCIATED,
     CostModelError,
     Layout,
     Prediction,
     StepTime,
     StepWork,
+    apart_class,
     predict,
     rows_per_pass,
     step_time,
@@ -175,15 +175,17 @@ def evaluate(
     tokens = settings.batch * (settings.seq or 1)
     piped = program.schedule is not None
     closed = closed_form(layout, work, settings, dtype, remat, accum)
-    merged = [(t.bytes, t.count) for t in (closed.traffic if closed else [])
-              if t.what == REASSOCIATED]  # fmt: skip
+    apart: dict[str, list] = {}
+    for t in closed.traffic if closed else []:  # what a GPU runs otherwise than the CPU program
+        if apart_class(t.what) and (t.kind, t.axes) == ("all-reduce", ("tensor",)):
+            got = apart.setdefault(apart_class(t.what), [0, 0])
+            got[0], got[1] = got[0] + t.bytes, got[1] + t.count
     sw = work_from_report(report, tokens=tokens, dtype=dtype, unit=work.unit,
                           model_flops=useful_flops, schedule=program.schedule,
                           hlo_text=program.compiled.as_text() if piped else None, remat=remat,
                           stage_layers=program.pipeline.stage_layers if piped else None,
                           accum=accum, elementwise_bytes=closed and closed.elementwise_bytes,
-                          reassociated=(sum(b for b, _ in merged), sum(n for _, n in merged))
-                          if merged else None)  # fmt: skip
+                          apart={k: tuple(v) for k, v in apart.items()} or None)  # fmt: skip
     by_axes = [{"kind": k, "axes": list(a or ()), "count": s.count, "bytes": s.bytes}
                for (k, a), s in report.summary(by_axes=True).items()]  # fmt: skip
     candidate = Candidate(

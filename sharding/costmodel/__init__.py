@@ -57,7 +57,7 @@ from sharding.costmodel._search import (
     memory_budget,
     rank_estimates,
 )
-from sharding.costmodel._sequence import REASSOCIATED
+from sharding.costmodel._sequence import REASSOCIATED, SCATTERED
 from sharding.costmodel._setup import DTYPE_BYTES
 from sharding.costmodel._steptime import (
     MEMORY_FRACTION,
@@ -70,11 +70,17 @@ from sharding.costmodel._steptime import (
     ring_hops,
     step_time,
 )
-from sharding.costmodel._stepwork import work_from_prediction, work_from_report
+from sharding.costmodel._stepwork import (
+    APART,
+    apart_class,
+    work_from_prediction,
+    work_from_report,
+)
 from sharding.costmodel._traffic import Traffic
 
 __all__ = [
     "ACCURACY_FILE",
+    "APART",
     "DEFAULT",
     "DTYPE_BYTES",
     "EXPERT_STRATEGIES",
@@ -85,6 +91,7 @@ __all__ = [
     "OPTIMIZER_MOMENTS",
     "ORDER",
     "REASSOCIATED",
+    "SCATTERED",
     "SEQUENCE_STRATEGIES",
     "Accuracy",
     "Check",
@@ -102,6 +109,7 @@ __all__ = [
     "Traffic",
     "UnknownStrategyError",
     "accumulated",
+    "apart_class",
     "called_for",
     "candidates",
     "error_to_expect",

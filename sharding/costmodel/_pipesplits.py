@@ -50,6 +50,7 @@ from sharding.costmodel._sequence import (
     gathered_inputs,
     merged_input_gradients,
     norm_vector_bytes,
+    row_outputs,
     splits_sequence_over_tensor,
 )
 from sharding.costmodel._setup import CostModelError
@@ -235,9 +236,10 @@ def _explicit_tensor(out: _Sink, s: Any, act: float) -> None:
     col, row = matmul_kinds(s.params, sz)  # SP's gathers and norm sums: `_kernels`
     merged = merged_input_gradients(s, col)
     col -= merged
-    out.add("all-reduce", ("tensor",), chunk * (fwd * row + bwd * col) * mb,
-            chunk * (fwd * row + bwd * col),
-            "row-parallel outputs (F lanes), column-parallel input gradients (B lanes)")  # fmt: skip
+    out.add("all-reduce", ("tensor",), chunk * fwd * row * mb, chunk * fwd * row,
+            row_outputs(s, "row-parallel outputs (F lanes)"))  # fmt: skip
+    out.add("all-reduce", ("tensor",), chunk * bwd * col * mb, chunk * bwd * col,
+            "column-parallel input gradients (B lanes)")  # fmt: skip
     out.add("all-reduce", ("tensor",), chunk * bwd * merged * mb, chunk * bwd * merged,
             REASSOCIATED)  # fmt: skip
     if s.remat == "full" and not sp:  # SP's recomputed reductions: `_kernels`
@@ -329,7 +331,8 @@ def _kernels(out: _Sink, s: Any) -> None:
         if s.remat == "full":
             again = row - 1
             out.add("all-reduce", ("tensor",), b * again * a, b * again,
-                    "row-parallel outputs recomputed in backward, all but the carry")  # fmt: skip
+                    row_outputs(s, "row-parallel outputs recomputed in backward, all but "
+                                   "the carry"))  # fmt: skip
     experts = [q for q in s.params if q.role == "layer" and "experts" in q.logical]
     if sz.get("tensor", 1) > 1 and any("tensor" in q.axes for q in experts):
         # Each expert's hidden width split over tensor (pp_tp): the [E, rows, C, D] buffers are

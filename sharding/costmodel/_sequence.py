@@ -9,7 +9,8 @@ tensor-parallel matmuls (`sharding.compile_train_step` pins them; see
   layer's forward;
 - each row-parallel output, all-reduced under tp, is reduce-scattered onto the sequence; XLA:CPU
   emits the reduce-scatter as an all-reduce plus a slice (no reduce-scatter creation pass), so
-  the compiled program, like `tp`'s model, shows an all-reduce of the same operand; its
+  the compiled program, like `tp`'s model, shows an all-reduce of the same operand, marked
+  `SCATTERED` (XLA for GPU's ReduceScatterCreator makes the pair one reduce-scatter); its
   cotangent is all-gathered in backward;
 - the column-parallel input gradients are all-reduced per kernel exactly as under tp (the
   partitioner sums the partial products after reducing each one) and then sliced; XLA for GPU
@@ -74,6 +75,17 @@ def _kind(s: Any, q: Any) -> str | None:
 REASSOCIATED = "column-parallel input gradients summed before one all-reduce on GPU"
 
 
+# Megatron SP's row-parallel outputs, reduced onto the sequence split: the partitioner writes an
+# all-reduce and a slice of it, which XLA for GPU's ReduceScatterCreator (the same collective
+# pipeline) makes one reduce-scatter, half a ring all-reduce's bytes.
+SCATTERED = "reduced onto the sequence split (all-reduce and slice; one reduce-scatter on GPU)"
+
+
+def row_outputs(s: Any, what: str) -> str:
+    """``what`` of a row-parallel output reduction, marked `SCATTERED` under SP."""
+    return f"{what}, {SCATTERED}" if splits_sequence_over_tensor(s) else what
+
+
 def merged_input_gradients(s: Any, col: int) -> int:
     """Of a layer's ``col`` column-parallel input-gradient all-reduces, those XLA for GPU merges
     into another's (`REASSOCIATED`): all but one per input the column kernels read."""
@@ -131,10 +143,12 @@ def sequence_traffic(out: Any, s: Any, act: float) -> None:
 
 __all__ = [
     "REASSOCIATED",
+    "SCATTERED",
     "gathered_inputs",
     "input_gradients",
     "merged_input_gradients",
     "norm_vector_bytes",
+    "row_outputs",
     "sequence_axes",
     "sequence_traffic",
     "splits_sequence_over_tensor",

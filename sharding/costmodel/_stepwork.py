@@ -24,7 +24,7 @@ from typing import Any
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._lanes import Lanes, lane_runs, price
 from sharding.costmodel._predict import Prediction
-from sharding.costmodel._sequence import REASSOCIATED
+from sharding.costmodel._sequence import REASSOCIATED, SCATTERED
 from sharding.costmodel._steptime import CollectiveWork, StepTimeError, StepWork
 from sharding.inspection import FlopCounter, ProgramReport
 from sharding.pipeline import Kind, Schedule, make_schedule
@@ -184,15 +184,22 @@ def _pipeline_flops(
     return out, share
 
 
+APART = (REASSOCIATED, SCATTERED)  # what a platform's compiler prices otherwise than XLA:CPU
+
+
+def apart_class(what: str) -> str:
+    """The `APART` marker in ``what`` ("" for none)."""
+    return next((m for m in APART if m in what), "")
+
+
 def _collectives_of(items: list, key: Callable) -> list[CollectiveWork]:
     """One `CollectiveWork` per (kind, axes), first seen first, and apart those the step time
-    prices by platform (`REASSOCIATED`). Entries of one purpose (``what``) run combined, as
-    XLA's combiners merge a layer's per-parameter reductions: their count is the largest of
-    theirs."""
+    prices by platform (`APART`). Entries of one purpose (``what``) run combined, as XLA's
+    combiners merge a layer's per-parameter reductions: their count is the largest of theirs."""
     groups: dict[tuple, list] = {}
     for x in items:
         kind, axes, nbytes, count, what = key(x)
-        g = groups.setdefault((kind, axes, what == REASSOCIATED), [0, {}])
+        g = groups.setdefault((kind, axes, apart_class(what)), [0, {}])
         g[0] += nbytes
         g[1][what] = max(g[1].get(what, 0), count) if what else g[1].get(what, 0) + count
     return [CollectiveWork(k, a, b, sum(n.values()), "; ".join(filter(None, n)))
@@ -213,7 +220,7 @@ def work_from_report(
     stage_layers: Sequence[int] | None = None,
     accum: int = 1,
     elementwise_bytes: float | None = None,
-    reassociated: tuple[float, int] | None = None,
+    apart: dict[str, tuple[float, int]] | None = None,
 ) -> StepWork:
     """The `StepWork` of a compiled step: FLOPs, collectives and memory read from the program.
 
@@ -238,9 +245,11 @@ def work_from_report(
         accum: the step's micro-steps (``accum_steps``): its gradient all-reduces, which the
             program runs once per micro-step, run once per step where the target's compiler
             moves them out of the loop (`sharding.targets.PLATFORMS`).
-        reassociated: (bytes, count) of the program's tensor all-reduces that XLA for GPU sums
-            into another's (the closed form's `REASSOCIATED` row, which the CPU program shows
-            apart): kept apart so that `step_time` prices them by platform; None: all priced.
+        apart: {`APART` marker: (bytes, count)} of the program's tensor all-reduces that XLA
+            for GPU runs otherwise than the CPU program shows them (the closed form's rows so
+            marked: input gradients it sums first, `REASSOCIATED`; SP's all-reduce-and-slice it
+            makes reduce-scatters, `SCATTERED`): kept apart so that `step_time` prices them by
+            platform; None: priced as compiled.
 
     Example:
         >>> program = build_program(llama, "dp", "data=8", batch=16, seq=32)  # doctest: +SKIP
@@ -275,7 +284,7 @@ def work_from_report(
         memory_bytes=None if mem is None else mem.native, notes=notes, accum=accum,
         elementwise_bytes=min(elementwise_bytes or 0.0, memory_bound_bytes))  # fmt: skip
     if schedule is None:
-        return _apart(work, reassociated)
+        return _apart(work, apart)
     work.schedule, work.bubble_fraction = schedule.name, schedule.bubble_fraction
     work.microbatches = schedule.microbatches
     if hlo_text is None:
@@ -288,7 +297,7 @@ def work_from_report(
         work.bubble_flops = schedule.bubble_fraction * work.matmul_flops
         notes.append("Bubble: the bubble fraction of all matmul FLOPs (no HLO given: work "
                      "outside the tick scan counted as if it ticked).")  # fmt: skip
-        return _apart(work, reassociated)
+        return _apart(work, apart)
     p, share = _pipeline_flops(hlo_text, schedule, stage_layers)
     work.pipeline = p
     if not schedule.explicit:
@@ -297,7 +306,7 @@ def work_from_report(
                      f"zeros), so the compiled count is what runs; bubble = "
                      f"{schedule.bubble_fraction:.1%} of the {fmt_count(p['loop_flops'])} FLOPs "
                      f"of the tick loops.")  # fmt: skip
-        return _apart(work, reassociated)
+        return _apart(work, apart)
     work.matmul_flops = p["critical_flops"]
     work.bubble_flops = p["critical_flops"] - p["busiest_device_flops"]
     # Collectives inside a lane (tensor-parallel reductions) run when it does, not every tick.
@@ -314,21 +323,22 @@ def work_from_report(
         f"{fmt_count(p['backward_tick_flops'])}{weight}; bubble = the critical path less the "
         f"busiest stage's own work."
     )
-    return _apart(work, reassociated)
+    return _apart(work, apart)
 
 
-def _apart(work: StepWork, reassociated: tuple[float, int] | None) -> StepWork:
-    """``work`` with ``reassociated`` (bytes, count) moved out of its tensor all-reduces into a
-    `REASSOCIATED` row (at most what they hold)."""
+def _apart(work: StepWork, apart: dict[str, tuple[float, int]] | None) -> StepWork:
+    """``work`` with each of ``apart``'s (bytes, count) moved out of its tensor all-reduces into
+    a row of its own marker (at most what they hold)."""
     whole = next((c for c in work.collectives
                   if (c.kind, c.axes, c.what) == ("all-reduce", ("tensor",), "")), None)  # fmt: skip
-    if not reassociated or whole is None:
+    if not apart or whole is None:
         return work
-    nbytes, count = min(reassociated[0], whole.bytes), min(reassociated[1], whole.count)
-    at = work.collectives.index(whole)
-    work.collectives[at : at + 1] = [
-        CollectiveWork("all-reduce", ("tensor",), whole.bytes - nbytes, whole.count - count),
-        CollectiveWork("all-reduce", ("tensor",), nbytes, count, REASSOCIATED)]  # fmt: skip
+    at, left, rows = work.collectives.index(whole), [whole.bytes, whole.count], []
+    for marker, (nbytes, count) in apart.items():
+        nbytes, count = min(nbytes, left[0]), min(count, left[1])
+        left = [left[0] - nbytes, left[1] - count]
+        rows.append(CollectiveWork("all-reduce", ("tensor",), nbytes, count, marker))
+    work.collectives[at : at + 1] = [CollectiveWork("all-reduce", ("tensor",), *left), *rows]
     return work
 
 

@@ -18,6 +18,7 @@ from sharding._mesh import AXES, BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
 from sharding.costmodel._sequence import (
     input_gradients,
+    row_outputs,
     sequence_traffic,
     splits_sequence_over_tensor,
 )
@@ -329,13 +330,14 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
                 passes * per_pass_layers, "expert weights (forward only)")  # fmt: skip
     if t > 1 and (col or row):
         count = passes * per_pass_layers
-        out.add("all-reduce", ("tensor",), count * row * a, count * row, "row-parallel outputs")
+        out.add("all-reduce", ("tensor",), count * row * a, count * row,
+                row_outputs(s, "row-parallel outputs"))  # fmt: skip
         if remat:
             # All but the layer's last: its output is the carry, saved at the layer boundary,
             # and nothing in backward reads it again (measured, tp and tp_sp, llama and gpt2).
             again = row - 1 if sched is None else row
             out.add("all-reduce", ("tensor",), count * again * a, count * again,
-                    "row-parallel outputs (recomputed in backward)")  # fmt: skip
+                    row_outputs(s, "row-parallel outputs (recomputed in backward)"))  # fmt: skip
         input_gradients(out, s, col, count, a)  # one per input on GPU
         sequence_traffic(out, s, act)  # Megatron SP's gathers (strategies tp_sp, fsdp_tp_sp)
 
