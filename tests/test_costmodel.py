@@ -13,6 +13,7 @@ from functools import cache
 
 import optax
 import pytest
+from jax_versions import NEWER_PARTITIONER, REGROUP
 from rich.console import Console
 
 import models
@@ -84,6 +85,8 @@ def predicted(family: str, strategy: str, schedule: str | None):
 
 @pytest.mark.parametrize(("family", "strategy", "schedule"), PARAMS, ids=IDS)
 def test_collective_bytes_per_step_match_the_compiled_program(family, strategy, schedule):
+    if schedule == "interleaved" and NEWER_PARTITIONER:
+        pytest.skip(REGROUP)
     _, report = measured(family, strategy, schedule)
     pred = predicted(family, strategy, schedule)
     total = report.collective_bytes()

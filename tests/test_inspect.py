@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_versions import NEWER_PARTITIONER
 from rich.console import Console
 
 from sharding import make_mesh
@@ -325,6 +326,8 @@ def test_float32_copies_of_bfloat16_stacks_are_found_and_left_out_of_native_memo
                          devices=jax.devices()[:1])  # fmt: skip
     memory = prog.report().memory
     assert memory.widened == widened_bytes(prog.compiled.as_text())
+    # jax 0.12's XLA:CPU slices bfloat16 itself: no copies (tests/jax_versions.py)
+    per_token = 0 if NEWER_PARTITIONER else per_token
     assert memory.widened == cfg.n_layers * 8 * 32 * 2 * per_token
     assert memory.native == memory.allocated - memory.widened
 

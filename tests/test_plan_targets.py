@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from jax_versions import NEWER_PARTITIONER, REGROUP
 
 import models
 from models import llama
@@ -41,6 +42,8 @@ def tiny_estimates():
 
 @pytest.mark.parametrize("key", CHECKED, ids=lambda k: " ".join(filter(None, k)))
 def test_formula_is_within_10_percent_of_the_compiled_program(tiny_estimates, key):
+    if key[2] == "interleaved" and NEWER_PARTITIONER:
+        pytest.skip(REGROUP)
     work = Workload.from_family(llama, llama.config("tiny"))
     check = check_candidate(tiny_estimates[key], work, "h100:1x8")
     err = check.errors()

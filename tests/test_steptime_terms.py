@@ -135,8 +135,9 @@ def test_input_gradients_of_one_input_take_one_all_reduce_on_gpu(strategy, mesh,
     work = work_from_prediction(pred)
     gpu, tpu = step_time(work, "h100"), step_time(work, "v5p:8")
     priced = [c.bytes for c in tpu.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))]
-    assert sum(priced) - merged.bytes == pytest.approx(sum(
-        c.bytes for c in gpu.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))))
+    assert sum(priced) - merged.bytes == pytest.approx(
+        sum(c.bytes for c in gpu.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",)))
+    )
     assert any("summed first by XLA for gpu (AllReduceReassociate)" in a for a in gpu.assumptions)
     assert any("priced one per kernel" in a for a in tpu.assumptions)
 
