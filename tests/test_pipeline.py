@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from closeness import assert_close
+from jax_versions import NEWER_PARTITIONER
 
 from models import gpt2, llama
 from partition_rules import preset
@@ -189,7 +190,7 @@ def test_explicit_schedules_hold_a_bounded_number_of_micro_batches():
     keeps at most 2p-1 micro-batches' residuals whatever m, and the first stage embeds each
     micro-batch itself (no whole-batch stack input or its gradient), so its temporaries are flat
     in m: within 5% from m=8 to m=32. GPipe without remat keeps all m. zb-h1 holds no more
-    than 1f1b (within 2%: jax 0.12's scheduler keeps 1% more)."""
+    than 1f1b (on jax 0.12 within 2%: its scheduler keeps 1% more, tests/jax_versions.py)."""
     temp = {}
     for schedule, m in (("1f1b", 8), ("1f1b", 32), ("gpipe", 8), ("gpipe", 32), ("zb-h1", 32)):
         prog = program("pp", "stage=4,data=2", schedule, m, batch=2 * m)
@@ -197,7 +198,7 @@ def test_explicit_schedules_hold_a_bounded_number_of_micro_batches():
     assert temp["1f1b", 32] <= 1.05 * temp["1f1b", 8]
     activation = 1 * SEQ * CFG.d_model * F32
     assert temp["gpipe", 32] - temp["gpipe", 8] >= 10 * activation * (32 - 8)
-    assert temp["zb-h1", 32] <= 1.02 * temp["1f1b", 32]
+    assert temp["zb-h1", 32] <= (1.02 if NEWER_PARTITIONER else 1) * temp["1f1b", 32]
 
 
 def test_pipeline_errors_before_compiling():

@@ -115,23 +115,29 @@ def _profile(tmp_path, extra: str):
 
 
 @pytest.mark.parametrize(
-    ("strategy", "mesh", "pipeline"),
-    [("tp", {"data": 2, "tensor": 4}, None),
-     ("pp_tp", {"stage": 2, "data": 2, "tensor": 2}, ("1f1b", 4, 1))],
+    ("family", "strategy", "mesh", "pipeline", "per_layer"),
+    [(models.llama, "tp", {"data": 2, "tensor": 4}, None, (2, 3)),
+     # the experts' kernels are not column-parallel: attention's q, k, v alone, one input
+     (models.llama_moe, "ep_tp", {"expert": 2, "data": 2, "tensor": 2}, None, (1, 2)),
+     (models.llama, "pp_tp", {"stage": 2, "data": 2, "tensor": 2}, ("1f1b", 4, 1), (2, 3))],
 )  # fmt: skip
-def test_input_gradients_of_one_input_take_one_all_reduce_on_gpu(strategy, mesh, pipeline):
+def test_input_gradients_of_one_input_take_one_all_reduce_on_gpu(
+    family, strategy, mesh, pipeline, per_layer
+):
     """llama's q, k, v read one input and gate, up another: of its 5 column-parallel input
     gradients per layer, the CPU program all-reduces each, XLA for GPU sums 3 into the other
     2's all-reduces (AllReduceReassociate); a TPU target prices all 5."""
-    pred = predict(models.llama, "tiny", strategy, mesh, 16, 32, pipeline=pipeline)
+    pred = predict(family, "tiny", strategy, mesh, 16, 32, pipeline=pipeline)
     rows = {t.what: t for t in pred.traffic if t.axes == ("tensor",) and t.kind == "all-reduce"}
     kept = next(t for w, t in rows.items() if "column-parallel input gradients" in w and
                 w != REASSOCIATED)  # fmt: skip
     merged = rows[REASSOCIATED]
-    if pipeline is None:  # one row of its own: 2 per layer kept, 3 merged, of one size each
-        layers = models.llama.config("tiny").n_layers
-        assert (kept.count, merged.count) == (2 * layers, 3 * layers)
-        assert merged.bytes == 1.5 * kept.bytes
+    # per layer, or per B-lane run of a chunk's layers: 1f1b runs them as often as each other
+    assert kept.count * per_layer[1] == merged.count * per_layer[0]
+    assert kept.bytes * per_layer[1] == merged.bytes * per_layer[0]
+    if pipeline is None:
+        layers = family.config("tiny").n_layers
+        assert (kept.count, merged.count) == (per_layer[0] * layers, per_layer[1] * layers)
     work = work_from_prediction(pred)
     gpu, tpu = step_time(work, "h100"), step_time(work, "v5p:8")
     priced = [c.bytes for c in tpu.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))]

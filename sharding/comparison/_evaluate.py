@@ -40,7 +40,7 @@ from sharding.costmodel import (
 from sharding.targets import Target
 from sharding.training import profile_steps
 
-__all__ = ["Candidate", "Settings", "evaluate", "measure_here", "reference_flops"]
+__all__ = ["Candidate", "Settings", "closed_form", "evaluate", "measure_here", "reference_flops"]
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,8 @@ def evaluate(
     piped = program.schedule is not None
     closed = closed_form(layout, work, settings, dtype, remat, accum)
     apart: dict[str, list] = {}
-    for t in closed.traffic if closed else []:  # what a GPU runs otherwise than the CPU program
+    on_cpu = program.mesh.devices.flat[0].platform == "cpu"  # else its compiler ran them already
+    for t in closed.traffic if closed and on_cpu else []:  # what a GPU runs otherwise
         if apart_class(t.what) and (t.kind, t.axes) == ("all-reduce", ("tensor",)):
             got = apart.setdefault(apart_class(t.what), [0, 0])
             got[0], got[1] = got[0] + t.bytes, got[1] + t.count
@@ -207,8 +208,9 @@ def evaluate(
 def closed_form(layout: Layout, work: Workload, settings: Settings, dtype: str, remat: str,
                 accum: int) -> Prediction | None:  # fmt: skip
     """The candidate's closed-form `Prediction`, for a workload with one (``family``), whose
-    counts the compiled program lacks: the bytes the non-matmul work moves, and the input
-    gradients XLA for GPU sums before reducing (`REASSOCIATED`); None without one."""
+    counts the compiled program lacks: the bytes the non-matmul work moves, and the collectives
+    XLA for GPU runs otherwise than a CPU compile shows (`APART`: input gradients it sums before
+    reducing, SP's all-reduce-and-slice it makes reduce-scatters); None without one."""
     if work.family is None or not hasattr(work.config, "n_layers") or settings.seq is None:
         return None
     try:

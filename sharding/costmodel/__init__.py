@@ -39,6 +39,7 @@ from sharding.costmodel._layouts import (
     meshes,
     strategy_names,
 )
+from sharding.costmodel._passes import APART, REASSOCIATED, SCATTERED, apart_class
 from sharding.costmodel._predict import (
     LM_FAMILIES,
     OPTIMIZER_MOMENTS,
@@ -57,7 +58,6 @@ from sharding.costmodel._search import (
     memory_budget,
     rank_estimates,
 )
-from sharding.costmodel._sequence import REASSOCIATED, SCATTERED
 from sharding.costmodel._setup import DTYPE_BYTES
 from sharding.costmodel._steptime import (
     MEMORY_FRACTION,
@@ -70,12 +70,7 @@ from sharding.costmodel._steptime import (
     ring_hops,
     step_time,
 )
-from sharding.costmodel._stepwork import (
-    APART,
-    apart_class,
-    work_from_prediction,
-    work_from_report,
-)
+from sharding.costmodel._stepwork import work_from_prediction, work_from_report
 from sharding.costmodel._traffic import Traffic
 
 __all__ = [

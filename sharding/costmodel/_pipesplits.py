@@ -45,8 +45,8 @@ from typing import Any
 from sharding._mesh import BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
 from sharding.costmodel._lanes import lane_runs, lockstep
+from sharding.costmodel._passes import REASSOCIATED
 from sharding.costmodel._sequence import (
-    REASSOCIATED,
     gathered_inputs,
     merged_input_gradients,
     norm_vector_bytes,

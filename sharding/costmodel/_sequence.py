@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from partition_rules import composition
+from sharding.costmodel._passes import REASSOCIATED, SCATTERED
 
 
 def sequence_axes(s: Any) -> tuple[str, ...]:
@@ -68,28 +69,19 @@ def _kind(s: Any, q: Any) -> str | None:
     return "row" if on[0] and not on[-1] else None
 
 
-# The column-parallel input gradients beyond one per input: the partitioner all-reduces each
-# kernel's partial product (q, k and v's each) and then sums them, as the CPU program shows;
-# XLA for GPU's collective optimisations (AllReduceReassociate, after SPMD partitioning) turn
-# add(all-reduce(a), all-reduce(b)) into all-reduce(add(a, b)), one per input.
-REASSOCIATED = "column-parallel input gradients summed before one all-reduce on GPU"
-
-
-# Megatron SP's row-parallel outputs, reduced onto the sequence split: the partitioner writes an
-# all-reduce and a slice of it, which XLA for GPU's ReduceScatterCreator (the same collective
-# pipeline) makes one reduce-scatter, half a ring all-reduce's bytes.
-SCATTERED = "reduced onto the sequence split (all-reduce and slice; one reduce-scatter on GPU)"
-
-
 def row_outputs(s: Any, what: str) -> str:
     """``what`` of a row-parallel output reduction, marked `SCATTERED` under SP."""
     return f"{what}, {SCATTERED}" if splits_sequence_over_tensor(s) else what
 
 
 def merged_input_gradients(s: Any, col: int) -> int:
-    """Of a layer's ``col`` column-parallel input-gradient all-reduces, those XLA for GPU merges
-    into another's (`REASSOCIATED`): all but one per input the column kernels read."""
-    return col - min(col, gathered_inputs(s))
+    """Of a layer's ``col`` column-parallel input-gradient all-reduces (one per kernel that
+    `matmul_kinds` counts as column), those XLA for GPU sums into another's (`REASSOCIATED`):
+    all but one per module those kernels sit in (attn's q, k, v read one input)."""
+    parents = {q.path.rsplit("/", 2)[0] for q in s.params
+               if q.role == "layer" and len(q.shape) >= 3 and "tensor" in q.axes
+               and q.logical[1] == "embed"}  # fmt: skip
+    return col - min(col, len(parents))
 
 
 def input_gradients(out: Any, s: Any, col: int, count: int, act: float) -> None:
@@ -142,8 +134,6 @@ def sequence_traffic(out: Any, s: Any, act: float) -> None:
 
 
 __all__ = [
-    "REASSOCIATED",
-    "SCATTERED",
     "gathered_inputs",
     "input_gradients",
     "merged_input_gradients",

@@ -33,8 +33,8 @@ from typing import Any
 
 from sharding._mesh import AXES, mesh_text
 from sharding._units import fmt_bytes, fmt_count
+from sharding.costmodel._passes import pass_sentences, run_kind
 from sharding.costmodel._predict import CostModelError
-from sharding.costmodel._sequence import REASSOCIATED, SCATTERED
 from sharding.costmodel._traffic import SHIFT_GATHERS
 from sharding.inspection import overlap_options
 from sharding.targets import PLATFORMS, Target, target
@@ -256,13 +256,11 @@ def step_time(
     memory_s = work.memory_bound_bytes / (d.hbm_bw * d.hbm_fraction)
     rows, by_rule = [], defaultdict(float)
     sinks = work.accum > 1 and PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
-    merges = PLATFORMS[d.platform]["reassociates_all_reduces"]
-    scatters = PLATFORMS[d.platform]["creates_reduce_scatters"]
     for c in work.collectives:
-        if merges and c.what == REASSOCIATED:  # summed into another input gradient's
+        kind = run_kind(c.kind, c.what, d.platform)  # as the target's compiler runs it
+        if kind is None:
             continue
-        if scatters and c.kind == "all-reduce" and SCATTERED in c.what:
-            c = CollectiveWork("reduce-scatter", c.axes, c.bytes, c.count, c.what)
+        c = CollectiveWork(kind, c.axes, c.bytes, c.count, c.what)
         g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
         factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined, work.tensor_overlap)
         link = g.ring_link if c.kind in RINGS else g.link
@@ -366,20 +364,7 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
             + ("behind the last micro-batch (above); " if work.reduction_overlap else "exposed; ")
             + "fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
             "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
-    merged = sum(c.bytes for c in work.collectives if c.what == REASSOCIATED)
-    if merged:
-        out.append(f"{fmt_bytes(merged)} of column-parallel input-gradient all-reduces are " + (
-            f"summed first by XLA for {d.platform} (AllReduceReassociate): one all-reduce per "
-            f"input the kernels read (q, k, v: one), not one per kernel as the CPU program "
-            f"shows; not priced." if PLATFORMS[d.platform]["reassociates_all_reduces"] else
-            f"priced one per kernel, as the program shows (XLA for {d.platform} is not known to "
-            f"sum them first)."))  # fmt: skip
-    scattered = sum(c.bytes for c in work.collectives if SCATTERED in c.what)
-    if scattered:
-        out.append(f"{fmt_bytes(scattered)} of sequence-parallel row-parallel outputs are " + (
-            f"reduce-scatters: XLA for {d.platform} makes the program's all-reduce and slice "
-            f"one (ReduceScatterCreator)." if PLATFORMS[d.platform]["creates_reduce_scatters"]
-            else "priced as the program's all-reduces (and slices)."))  # fmt: skip
+    out += pass_sentences(work.collectives, d.platform)
     if work.schedule:
         out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "
                    f"{fmt_count(work.bubble_flops)} FLOPs of the critical path are bubble, shown "

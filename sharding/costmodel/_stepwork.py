@@ -23,8 +23,8 @@ from typing import Any
 
 from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._lanes import Lanes, lane_runs, price
+from sharding.costmodel._passes import apart_class
 from sharding.costmodel._predict import Prediction
-from sharding.costmodel._sequence import REASSOCIATED, SCATTERED
 from sharding.costmodel._steptime import CollectiveWork, StepTimeError, StepWork
 from sharding.inspection import FlopCounter, ProgramReport
 from sharding.pipeline import Kind, Schedule, make_schedule
@@ -184,14 +184,6 @@ def _pipeline_flops(
     return out, share
 
 
-APART = (REASSOCIATED, SCATTERED)  # what a platform's compiler prices otherwise than XLA:CPU
-
-
-def apart_class(what: str) -> str:
-    """The `APART` marker in ``what`` ("" for none)."""
-    return next((m for m in APART if m in what), "")
-
-
 def _collectives_of(items: list, key: Callable) -> list[CollectiveWork]:
     """One `CollectiveWork` per (kind, axes), first seen first, and apart those the step time
     prices by platform (`APART`). Entries of one purpose (``what``) run combined, as XLA's
@@ -245,11 +237,10 @@ def work_from_report(
         accum: the step's micro-steps (``accum_steps``): its gradient all-reduces, which the
             program runs once per micro-step, run once per step where the target's compiler
             moves them out of the loop (`sharding.targets.PLATFORMS`).
-        apart: {`APART` marker: (bytes, count)} of the program's tensor all-reduces that XLA
-            for GPU runs otherwise than the CPU program shows them (the closed form's rows so
-            marked: input gradients it sums first, `REASSOCIATED`; SP's all-reduce-and-slice it
-            makes reduce-scatters, `SCATTERED`): kept apart so that `step_time` prices them by
-            platform; None: priced as compiled.
+        apart: {`APART` marker: (bytes, count)} of a CPU-compiled program's tensor
+            all-reduces that XLA for GPU runs otherwise (the closed form's rows so marked,
+            `sharding.costmodel._passes`): kept apart so that `step_time` prices them by
+            platform; None: priced as compiled (a GPU-compiled program ran them already).
 
     Example:
         >>> program = build_program(llama, "dp", "data=8", batch=16, seq=32)  # doctest: +SKIP
@@ -328,17 +319,25 @@ def work_from_report(
 
 def _apart(work: StepWork, apart: dict[str, tuple[float, int]] | None) -> StepWork:
     """``work`` with each of ``apart``'s (bytes, count) moved out of its tensor all-reduces into
-    a row of its own marker (at most what they hold)."""
-    whole = next((c for c in work.collectives
-                  if (c.kind, c.axes, c.what) == ("all-reduce", ("tensor",), "")), None)  # fmt: skip
+    a row of its own marker: all of it, or the share they hold (and a note says so)."""
+    plain = ("all-reduce", ("tensor",), "")
+    whole = next((c for c in work.collectives if (c.kind, c.axes, c.what) == plain), None)
     if not apart or whole is None:
         return work
-    at, left, rows = work.collectives.index(whole), [whole.bytes, whole.count], []
+    left, rows = [whole.bytes, whole.count], []
     for marker, (nbytes, count) in apart.items():
-        nbytes, count = min(nbytes, left[0]), min(count, left[1])
-        left = [left[0] - nbytes, left[1] - count]
-        rows.append(CollectiveWork("all-reduce", ("tensor",), nbytes, count, marker))
-    work.collectives[at : at + 1] = [CollectiveWork("all-reduce", ("tensor",), *left), *rows]
+        share = min(1.0, left[0] / nbytes if nbytes else 1.0, left[1] / count if count else 1.0)
+        if share < 1:
+            work.notes.append(f"The closed form marks more than the program's tensor "
+                              f"all-reduces hold ({marker}): {share:.0%} of it kept "
+                              f"apart.")  # fmt: skip
+        nbytes, count = nbytes * share, round(count * share)
+        if nbytes and count:
+            left = [left[0] - nbytes, left[1] - count]
+            rows.append(CollectiveWork("all-reduce", ("tensor",), nbytes, count, marker))
+    rest = [CollectiveWork("all-reduce", ("tensor",), *left)] if left[0] and left[1] else []
+    at = work.collectives.index(whole)
+    work.collectives[at : at + 1] = [*rest, *rows]
     return work
 
 

@@ -1,9 +1,10 @@
-"""What one accelerator can do, for pricing a training step on it: `DeviceSpec` and the profiles.
+"""What one accelerator can do, for pricing a training step on it: `DeviceSpec`, and reading a
+user's profile.
 
 A `DeviceSpec` holds datasheet figures in SI units (FLOP/s, bytes, bytes/s, seconds) plus the
 achievable fractions the step-time model (`sharding.costmodel.step_time`) applies to them. The
-shipped `PROFILES` cite their sources next to each figure; a user profile is a TOML file
-(`load_profile` lists its keys), every figure in the unit its key names.
+shipped `PROFILES` (`sharding.targets._profiles`) cite their sources next to each figure; a user
+profile is a TOML file (`load_profile` lists its keys), every figure in the unit its key names.
 """
 
 from __future__ import annotations

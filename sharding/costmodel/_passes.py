@@ -1,0 +1,71 @@
+"""What XLA for a GPU makes of the collectives a CPU-compiled program shows, priced by platform
+(`sharding.targets.PLATFORMS`).
+
+The closed form counts the collectives XLA:CPU compiles (the tests hold it to them). Two passes of
+XLA's GPU collective pipeline, which runs after SPMD partitioning with them in this order
+(xla/service/gpu/gpu_compiler.cc), change what runs:
+
+- ReduceScatterCreator makes an all-reduce whose result is only sliced by partition one
+  reduce-scatter, (n-1)/n of its operand instead of 2(n-1)/n: Megatron SP's row-parallel
+  outputs (`SCATTERED`), which XLA:CPU keeps as the pair;
+- AllReduceReassociate rewrites add(all-reduce(a), all-reduce(b)) as all-reduce(add(a, b)): the
+  partial input gradients of the column-parallel kernels that read one input (q, k and v; gate
+  and up), which the partitioner all-reduces each before their sum, take one all-reduce per
+  input (`REASSOCIATED`: the others, not run). Under SP that sum is sliced, but reduce-scatter
+  creation ran before, so it stays an all-reduce.
+
+A compiled program's collectives carry no purpose, so compare moves the closed form's marked share
+out of a CPU-compiled program's (`work_from_report(apart=)`); compiled on a GPU, they ran already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sharding._units import fmt_bytes
+from sharding.targets import PLATFORMS
+
+REASSOCIATED = "column-parallel input gradients summed before one all-reduce on GPU"
+SCATTERED = "reduced onto the sequence split (all-reduce and slice; one reduce-scatter on GPU)"
+APART = (REASSOCIATED, SCATTERED)  # purposes a platform runs otherwise than XLA:CPU shows
+
+
+def apart_class(what: str) -> str:
+    """The `APART` marker in a collective's purpose ``what`` ("" for none)."""
+    return next((m for m in APART if m in what), "")
+
+
+def run_kind(kind: str, what: str, platform: str) -> str | None:
+    """The kind a collective of ``kind`` and purpose ``what`` runs as on ``platform``; None where
+    that platform's compiler sums it into another."""
+    passes, marker = PLATFORMS[platform], apart_class(what)
+    if marker == REASSOCIATED and passes["reassociates_all_reduces"]:
+        return None
+    if marker == SCATTERED and kind == "all-reduce" and passes["creates_reduce_scatters"]:
+        return "reduce-scatter"
+    return kind
+
+
+def pass_sentences(collectives: Iterable[Any], platform: str) -> list[str]:
+    """What `run_kind` did to ``collectives`` (`CollectiveWork`) on ``platform``, as sentences."""
+    collectives = list(collectives)
+    merged = sum(c.bytes for c in collectives if apart_class(c.what) == REASSOCIATED)
+    scattered = sum(c.bytes for c in collectives if apart_class(c.what) == SCATTERED)
+    passes, out = PLATFORMS[platform], []
+    if merged:
+        out.append(f"{fmt_bytes(merged)} of column-parallel input-gradient all-reduces are " + (
+            f"summed first by XLA for {platform} (AllReduceReassociate): one all-reduce per "
+            f"input the kernels read (q, k, v: one), not one per kernel as the CPU program "
+            f"shows; not priced." if passes["reassociates_all_reduces"] else
+            f"priced one per kernel, as the program shows (XLA for {platform} is not known to "
+            f"sum them first)."))  # fmt: skip
+    if scattered:
+        out.append(f"{fmt_bytes(scattered)} of sequence-parallel row-parallel outputs are " + (
+            f"reduce-scatters: XLA for {platform} makes the program's all-reduce and slice one "
+            f"(ReduceScatterCreator)." if passes["creates_reduce_scatters"] else
+            "priced as the program's all-reduces (and slices)."))  # fmt: skip
+    return out
+
+
+__all__ = ["APART", "REASSOCIATED", "SCATTERED", "apart_class", "pass_sentences", "run_kind"]
