@@ -22,7 +22,7 @@ from sharding.costmodel import (
     CollectiveWork,
     StepTimeError,
     StepWork,
-    apart_class,
+    apart_of,
     predict,
     ring_factor,
     ring_hops,
@@ -252,34 +252,39 @@ def test_work_from_report_reads_the_compiled_program():
         work_from_report(dataclasses.replace(report, mesh=None), tokens=1)
 
 
-@pytest.mark.parametrize("strategy", ["tp", "tp_sp"])
-def test_a_compiled_program_keeps_apart_what_a_gpu_runs_otherwise(strategy):
-    """The CPU program all-reduces each of q, k, v, gate and up's input gradients, and under SP
-    each row-parallel output before slicing it; the closed form's marked rows (REASSOCIATED:
-    3 of 5 input gradients per layer; SCATTERED: SP's row outputs) move out of the compiled
-    tensor all-reduces, which a GPU target then prices as XLA for GPU runs them (the first not
-    at all, the second as reduce-scatters) and a TPU target as compiled."""
-    _, report = compiled(strategy, "data=2,tensor=4")
-    pred = predict(models.llama, "tiny", strategy, {"data": 2, "tensor": 4}, BATCH, SEQ)
-    apart = {}
-    for t in pred.traffic:
-        if apart_class(t.what):
-            b, n = apart.get(apart_class(t.what), (0, 0))
-            apart[apart_class(t.what)] = (b + t.bytes, n + t.count)
-    assert set(apart) == ({REASSOCIATED, SCATTERED} if strategy == "tp_sp" else {REASSOCIATED})
+@pytest.mark.parametrize(
+    ("strategy", "mesh", "markers"),
+    [("tp", "data=2,tensor=4", {(REASSOCIATED, ("tensor",))}),
+     ("tp_sp", "data=2,tensor=4", {(REASSOCIATED, ("tensor",)), (SCATTERED, ("tensor",))}),
+     ("fsdp", "fsdp=8", {(SCATTERED, ("fsdp",))})],
+)  # fmt: skip
+def test_a_compiled_program_keeps_apart_what_a_gpu_runs_otherwise(strategy, mesh, markers):
+    """The CPU program all-reduces each of q, k, v, gate and up's input gradients, and (with no
+    reduce-scatter creation) writes each of SP's row-parallel outputs and fsdp's gradient
+    reductions as an all-reduce and a slice; the closed form's share of them (`apart_of`) moves
+    out of the compiled all-reduces, which a GPU target then prices as XLA for GPU runs them
+    (the merged input gradients not at all, the others as reduce-scatters) and a TPU target as
+    compiled."""
+    _, report = compiled(strategy, mesh)
+    sizes = sharding.MeshSpec.parse(mesh).sizes
+    apart = apart_of(predict(models.llama, "tiny", strategy, sizes, BATCH, SEQ).traffic)
+    assert set(apart) == markers
     plain = work_from_report(report, tokens=BATCH * SEQ)
     work = work_from_report(report, tokens=BATCH * SEQ, apart=apart)
-    (whole,) = [c for c in plain.collectives if (c.kind, c.axes) == ("all-reduce", ("tensor",))]
-    tensor = [(c.bytes, c.count, c.what) for c in work.collectives
-              if (c.kind, c.axes) == ("all-reduce", ("tensor",))]  # fmt: skip
-    assert tensor == [(whole.bytes - sum(b for b, _ in apart.values()),
-                       whole.count - sum(n for _, n in apart.values()), ""),
-                      *((b, n, k) for k, (b, n) in apart.items())]  # fmt: skip
+    for axes in {a for _, a in markers}:  # the closed form's bytes, the program's executions
+        (whole,) = [c for c in plain.collectives if (c.kind, c.axes) == ("all-reduce", axes)]
+        got = [c for c in work.collectives if (c.kind, c.axes) == ("all-reduce", axes)]
+        moved = {m: apart[m, a][0] for m, a in markers if a == axes}
+        assert {c.what: c.bytes for c in got[1:]} == moved
+        assert got[0].bytes == pytest.approx(whole.bytes - sum(moved.values()))
+        assert sum(c.count for c in got) == whole.count and got[0].what == ""
     gpu, tpu = step_time(work, "h100"), step_time(work, "v5p:8")
     assert step_time(plain, "v5p:8").step_s == pytest.approx(tpu.step_s)
-    assert gpu.exposed_comm_s < step_time(plain, "h100").exposed_comm_s
-    assert len(gpu.collectives) == len(tpu.collectives) - 1
-    assert ("reduce-scatter" in {c.kind for c in gpu.collectives}) == (strategy == "tp_sp")
+    assert gpu.comm_s < step_time(plain, "h100").comm_s
+    merged = (REASSOCIATED, ("tensor",)) in markers
+    assert len(gpu.collectives) == len(tpu.collectives) - merged
+    scattered = {a for m, a in markers if m == SCATTERED}
+    assert {c.axes for c in gpu.collectives if c.kind == "reduce-scatter"} == scattered
 
 
 def test_gpipe_ticks_compute_on_zeros_so_the_compiled_count_is_what_runs():

@@ -31,7 +31,7 @@ from sharding.costmodel import (
     Prediction,
     StepTime,
     StepWork,
-    apart_class,
+    apart_of,
     predict,
     rows_per_pass,
     step_time,
@@ -175,18 +175,14 @@ def evaluate(
     tokens = settings.batch * (settings.seq or 1)
     piped = program.schedule is not None
     closed = closed_form(layout, work, settings, dtype, remat, accum)
-    apart: dict[str, list] = {}
     on_cpu = program.mesh.devices.flat[0].platform == "cpu"  # else its compiler ran them already
-    for t in closed.traffic if closed and on_cpu else []:  # what a GPU runs otherwise
-        if apart_class(t.what) and (t.kind, t.axes) == ("all-reduce", ("tensor",)):
-            got = apart.setdefault(apart_class(t.what), [0, 0])
-            got[0], got[1] = got[0] + t.bytes, got[1] + t.count
+    apart = apart_of(closed.traffic) if closed and on_cpu else None  # what a GPU runs otherwise
     sw = work_from_report(report, tokens=tokens, dtype=dtype, unit=work.unit,
                           model_flops=useful_flops, schedule=program.schedule,
                           hlo_text=program.compiled.as_text() if piped else None, remat=remat,
                           stage_layers=program.pipeline.stage_layers if piped else None,
                           accum=accum, elementwise_bytes=closed and closed.elementwise_bytes,
-                          apart={k: tuple(v) for k, v in apart.items()} or None)  # fmt: skip
+                          apart=apart)  # fmt: skip
     by_axes = [{"kind": k, "axes": list(a or ()), "count": s.count, "bytes": s.bytes}
                for (k, a), s in report.summary(by_axes=True).items()]  # fmt: skip
     candidate = Candidate(

@@ -39,7 +39,7 @@ from sharding.costmodel._layouts import (
     meshes,
     strategy_names,
 )
-from sharding.costmodel._passes import APART, REASSOCIATED, SCATTERED, apart_class
+from sharding.costmodel._passes import APART, REASSOCIATED, SCATTERED, apart_class, apart_of
 from sharding.costmodel._predict import (
     LM_FAMILIES,
     OPTIMIZER_MOMENTS,
@@ -105,6 +105,7 @@ __all__ = [
     "UnknownStrategyError",
     "accumulated",
     "apart_class",
+    "apart_of",
     "called_for",
     "candidates",
     "error_to_expect",

@@ -14,8 +14,10 @@ XLA's GPU collective pipeline, which runs after SPMD partitioning with them in t
   input (`REASSOCIATED`: the others, not run). Under SP that sum is sliced, but reduce-scatter
   creation ran before, so it stays an all-reduce.
 
-A compiled program's collectives carry no purpose, so compare moves the closed form's marked share
-out of a CPU-compiled program's (`work_from_report(apart=)`); compiled on a GPU, they ran already.
+A compiled program's collectives carry no purpose, so compare moves the closed form's share of them
+out of a CPU-compiled program's (`apart_of`, `work_from_report(apart=)`): SP's row outputs, and
+every reduce-scatter of the closed form (fsdp's gradients), which XLA:CPU compiles as an all-reduce
+and a slice; compiled on a GPU, they ran already.
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ def run_kind(kind: str, what: str, platform: str) -> str | None:
     return kind
 
 
+def apart_of(traffic: Iterable[Any]) -> dict[tuple[str, tuple[str, ...]], tuple[float, int]]:
+    """What of a closed form's ``traffic`` (`Traffic` rows) a CPU-compiled program shows as
+    all-reduces that XLA for GPU runs otherwise, summed by (`APART` marker, mesh axes): its marked
+    all-reduces, and every reduce-scatter (XLA:CPU creates none: it compiles each as an
+    all-reduce and a slice, which a GPU makes one reduce-scatter, `SCATTERED`). What
+    `work_from_report(apart=)` keeps apart."""
+    out: dict[tuple[str, tuple[str, ...]], tuple[float, int]] = {}
+    for t in traffic:
+        marker = SCATTERED if t.kind == "reduce-scatter" else apart_class(t.what)
+        if marker and t.kind in ("all-reduce", "reduce-scatter"):
+            nbytes, count = out.get((marker, tuple(t.axes)), (0.0, 0))
+            out[marker, tuple(t.axes)] = (nbytes + t.bytes, count + t.count)
+    return out
+
+
 def pass_sentences(collectives: Iterable[Any], platform: str) -> list[str]:
     """What `run_kind` did to ``collectives`` (`CollectiveWork`) on ``platform``, as sentences."""
     collectives = list(collectives)
@@ -68,4 +85,12 @@ def pass_sentences(collectives: Iterable[Any], platform: str) -> list[str]:
     return out
 
 
-__all__ = ["APART", "REASSOCIATED", "SCATTERED", "apart_class", "pass_sentences", "run_kind"]
+__all__ = [
+    "APART",
+    "REASSOCIATED",
+    "SCATTERED",
+    "apart_class",
+    "apart_of",
+    "pass_sentences",
+    "run_kind",
+]

@@ -212,7 +212,7 @@ def work_from_report(
     stage_layers: Sequence[int] | None = None,
     accum: int = 1,
     elementwise_bytes: float | None = None,
-    apart: dict[str, tuple[float, int]] | None = None,
+    apart: dict[tuple[str, tuple[str, ...]], tuple[float, int]] | None = None,
 ) -> StepWork:
     """The `StepWork` of a compiled step: FLOPs, collectives and memory read from the program.
 
@@ -237,10 +237,10 @@ def work_from_report(
         accum: the step's micro-steps (``accum_steps``): its gradient all-reduces, which the
             program runs once per micro-step, run once per step where the target's compiler
             moves them out of the loop (`sharding.targets.PLATFORMS`).
-        apart: {`APART` marker: (bytes, count)} of a CPU-compiled program's tensor
-            all-reduces that XLA for GPU runs otherwise (the closed form's rows so marked,
-            `sharding.costmodel._passes`): kept apart so that `step_time` prices them by
-            platform; None: priced as compiled (a GPU-compiled program ran them already).
+        apart: {(`APART` marker, mesh axes): (bytes, count)} of a CPU-compiled program's
+            all-reduces that XLA for GPU runs otherwise (`apart_of` the closed form's traffic):
+            kept apart so that `step_time` prices them by platform; None: priced as compiled
+            (a GPU-compiled program ran them already).
 
     Example:
         >>> program = build_program(llama, "dp", "data=8", batch=16, seq=32)  # doctest: +SKIP
@@ -317,27 +317,27 @@ def work_from_report(
     return _apart(work, apart)
 
 
-def _apart(work: StepWork, apart: dict[str, tuple[float, int]] | None) -> StepWork:
-    """``work`` with each of ``apart``'s (bytes, count) moved out of its tensor all-reduces into
-    a row of its own marker: all of it, or the share they hold (and a note says so)."""
-    plain = ("all-reduce", ("tensor",), "")
-    whole = next((c for c in work.collectives if (c.kind, c.axes, c.what) == plain), None)
-    if not apart or whole is None:
-        return work
-    left, rows = [whole.bytes, whole.count], []
-    for marker, (nbytes, count) in apart.items():
-        share = min(1.0, left[0] / nbytes if nbytes else 1.0, left[1] / count if count else 1.0)
-        if share < 1:
-            work.notes.append(f"The closed form marks more than the program's tensor "
-                              f"all-reduces hold ({marker}): {share:.0%} of it kept "
-                              f"apart.")  # fmt: skip
-        nbytes, count = nbytes * share, round(count * share)
-        if nbytes and count:
-            left = [left[0] - nbytes, left[1] - count]
-            rows.append(CollectiveWork("all-reduce", ("tensor",), nbytes, count, marker))
-    rest = [CollectiveWork("all-reduce", ("tensor",), *left)] if left[0] and left[1] else []
-    at = work.collectives.index(whole)
-    work.collectives[at : at + 1] = [*rest, *rows]
+def _apart(work: StepWork, apart: dict[tuple, tuple[float, int]] | None) -> StepWork:
+    """``work`` with each of ``apart``'s bytes moved out of its all-reduces over those axes into a
+    row of its own marker, with the program's executions in proportion to the bytes (XLA's
+    combiners merge what the closed form counts apart): all of it, or what they hold (noted)."""
+    for (marker, axes), (nbytes, _) in (apart or {}).items():
+        plain = ("all-reduce", tuple(axes), "")
+        whole = next((c for c in work.collectives if (c.kind, c.axes, c.what) == plain), None)
+        if whole is None or not nbytes:
+            continue
+        if nbytes > whole.bytes:
+            work.notes.append(f"The closed form marks more than the program's all-reduces over "
+                              f"{', '.join(axes)} hold ({marker}): {whole.bytes / nbytes:.0%} "
+                              f"of it kept apart.")  # fmt: skip
+        nbytes = min(nbytes, whole.bytes)
+        share = max(1, round(whole.count * nbytes / whole.bytes))  # executions, by the bytes
+        rest_count = max(1, whole.count - share) if nbytes < whole.bytes else 0
+        rest, count = (whole.bytes - nbytes, rest_count), max(1, whole.count - rest_count)
+        at = work.collectives.index(whole)
+        work.collectives[at : at + 1] = [
+            *([CollectiveWork("all-reduce", whole.axes, *rest)] if rest[0] and rest[1] else []),
+            CollectiveWork("all-reduce", whole.axes, nbytes, count, marker)]  # fmt: skip
     return work
 
 
