@@ -45,10 +45,9 @@ from typing import Any
 from sharding._mesh import BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
 from sharding.costmodel._lanes import lane_runs, lockstep
-from sharding.costmodel._passes import REASSOCIATED
 from sharding.costmodel._sequence import (
     gathered_inputs,
-    merged_input_gradients,
+    input_gradients,
     norm_vector_bytes,
     row_outputs,
     splits_sequence_over_tensor,
@@ -233,15 +232,10 @@ def _explicit_tensor(out: _Sink, s: Any, act: float) -> None:
     fwd, bwd = _runs(s, Kind.FORWARD), _runs(s, Kind.BACKWARD)
     chunk = s.cfg.n_layers // (sz["stage"] * sched.repeats)
     mb = act / sched.microbatches  # whole sequences (under SP: gathered before the matmuls)
-    col, row = matmul_kinds(s.params, sz)  # SP's gathers and norm sums: `_kernels`
-    merged = merged_input_gradients(s, col)
-    col -= merged
+    row = matmul_kinds(s.params, sz)[1]  # SP's gathers and norm sums: `_kernels`
     out.add("all-reduce", ("tensor",), chunk * fwd * row * mb, chunk * fwd * row,
             row_outputs(s, "row-parallel outputs (F lanes)"))  # fmt: skip
-    out.add("all-reduce", ("tensor",), chunk * bwd * col * mb, chunk * bwd * col,
-            "column-parallel input gradients (B lanes)")  # fmt: skip
-    out.add("all-reduce", ("tensor",), chunk * bwd * merged * mb, chunk * bwd * merged,
-            REASSOCIATED)  # fmt: skip
+    input_gradients(out, s, chunk * bwd, mb, "column-parallel input gradients (B lanes)")
     if s.remat == "full" and not sp:  # SP's recomputed reductions: `_kernels`
         # All but the layer's last: its output is the carry the next layer's recompute reads.
         out.add("all-reduce", ("tensor",), chunk * bwd * (row - 1) * mb, chunk * bwd * (row - 1),

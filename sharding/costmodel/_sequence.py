@@ -14,7 +14,7 @@ tensor-parallel matmuls (`sharding.compile_train_step` pins them; see
   cotangent is all-gathered in backward;
 - the column-parallel input gradients are all-reduced per kernel exactly as under tp (the
   partitioner sums the partial products after reducing each one) and then sliced; XLA for GPU
-  sums them first (`merged_input_gradients`);
+  sums them first (`input_gradients`);
 - norm scales and biases see S/t of the sequence, so their gradients are partial sums, all-reduced
   over tensor once per layer (the biases of row-parallel modules are added to whole rows, after
   the gather, and need none);
@@ -74,23 +74,23 @@ def row_outputs(s: Any, what: str) -> str:
     return f"{what}, {SCATTERED}" if splits_sequence_over_tensor(s) else what
 
 
-def merged_input_gradients(s: Any, col: int) -> int:
-    """Of a layer's ``col`` column-parallel input-gradient all-reduces (one per kernel that
-    `matmul_kinds` counts as column), those XLA for GPU sums into another's (`REASSOCIATED`):
-    all but one per module those kernels sit in (attn's q, k, v read one input)."""
-    parents = {q.path.rsplit("/", 2)[0] for q in s.params
-               if q.role == "layer" and len(q.shape) >= 3 and "tensor" in q.axes
-               and q.logical[1] == "embed"}  # fmt: skip
-    return col - min(col, len(parents))
+def column_kernels(params: list) -> list:
+    """The layer kernels that read d_model whole and write a width split over ``tensor`` (q, k,
+    v, gate, up, fc): each one's input gradient is a partial sum over tensor."""
+    return [q for q in params if q.role == "layer" and len(q.shape) >= 3
+            and "tensor" in q.axes and q.logical[1] == "embed"]  # fmt: skip
 
 
-def input_gradients(out: Any, s: Any, col: int, count: int, act: float) -> None:
-    """Add ``count`` layers' column-parallel input-gradient all-reduces (``col`` per layer, each
-    of ``act`` bytes) to ``out``: one per input, and the rest as `REASSOCIATED`."""
-    merged = merged_input_gradients(s, col)
-    out.add("all-reduce", ("tensor",), count * (col - merged) * act, count * (col - merged),
-            "column-parallel input gradients")  # fmt: skip
-    out.add("all-reduce", ("tensor",), count * merged * act, count * merged, REASSOCIATED)
+def input_gradients(out: Any, s: Any, count: int, act: float,
+                    what: str = "column-parallel input gradients") -> None:  # fmt: skip
+    """Add ``count`` layers' column-parallel input-gradient all-reduces (one per column kernel,
+    each of ``act`` bytes) to ``out``: one per module the kernels sit in (attn's q, k, v read
+    one input), and the rest, which XLA for GPU sums into those, as `REASSOCIATED`."""
+    col = len(column_kernels(s.params))
+    kept = min(col, len({q.path.rsplit("/", 2)[0] for q in column_kernels(s.params)}))
+    out.add("all-reduce", ("tensor",), count * kept * act, count * kept, what)
+    out.add("all-reduce", ("tensor",), count * (col - kept) * act, count * (col - kept),
+            REASSOCIATED)  # fmt: skip
 
 
 def norm_vector_bytes(s: Any) -> float:
@@ -134,9 +134,9 @@ def sequence_traffic(out: Any, s: Any, act: float) -> None:
 
 
 __all__ = [
+    "column_kernels",
     "gathered_inputs",
     "input_gradients",
-    "merged_input_gradients",
     "norm_vector_bytes",
     "row_outputs",
     "sequence_axes",

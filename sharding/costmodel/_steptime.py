@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sharding._mesh import AXES, mesh_text
@@ -260,7 +260,7 @@ def step_time(
         kind = run_kind(c.kind, c.what, d.platform)  # as the target's compiler runs it
         if kind is None:
             continue
-        c = CollectiveWork(kind, c.axes, c.bytes, c.count, c.what)
+        c = replace(c, kind=kind)
         g = topo.group(c.axes if c.axes is not None else [a for a in AXES if topo.sizes[a] > 1])
         factor, rule = ring_factor(c.kind, g.size), _overlap_rule(c, pipelined, work.tensor_overlap)
         link = g.ring_link if c.kind in RINGS else g.link

@@ -19,6 +19,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sharding._units import fmt_bytes, fmt_count
@@ -330,14 +331,15 @@ def _apart(work: StepWork, apart: dict[tuple, tuple[float, int]] | None) -> Step
             work.notes.append(f"The closed form marks more than the program's all-reduces over "
                               f"{', '.join(axes)} hold ({marker}): {whole.bytes / nbytes:.0%} "
                               f"of it kept apart.")  # fmt: skip
-        nbytes = min(nbytes, whole.bytes)
-        share = max(1, round(whole.count * nbytes / whole.bytes))  # executions, by the bytes
-        rest_count = max(1, whole.count - share) if nbytes < whole.bytes else 0
-        rest, count = (whole.bytes - nbytes, rest_count), max(1, whole.count - rest_count)
+        moved = CollectiveWork("all-reduce", whole.axes, whole.bytes, whole.count, marker)
+        rows = [moved]
+        if nbytes < whole.bytes:  # at least one execution each, the rest by the bytes
+            count = max(1, min(whole.count - 1, round(whole.count * nbytes / whole.bytes)))
+            rows = [CollectiveWork("all-reduce", whole.axes, whole.bytes - nbytes,
+                                   max(1, whole.count - count)),
+                    replace(moved, bytes=nbytes, count=count)]  # fmt: skip
         at = work.collectives.index(whole)
-        work.collectives[at : at + 1] = [
-            *([CollectiveWork("all-reduce", whole.axes, *rest)] if rest[0] and rest[1] else []),
-            CollectiveWork("all-reduce", whole.axes, nbytes, count, marker)]  # fmt: skip
+        work.collectives[at : at + 1] = rows
     return work
 
 

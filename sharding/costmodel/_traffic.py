@@ -17,6 +17,7 @@ from typing import Any
 from sharding._mesh import AXES, BATCH_AXES
 from sharding.context import DEFAULT_METHOD, context_traffic
 from sharding.costmodel._sequence import (
+    column_kernels,
     input_gradients,
     row_outputs,
     sequence_traffic,
@@ -98,12 +99,9 @@ def matmul_kinds(params: list[Param], sizes: dict[str, int]) -> tuple[int, int]:
     """
     if sizes.get("tensor", 1) == 1:
         return 0, 0
-    col = row = 0
-    for p in params:
-        if p.role != "layer" or len(p.shape) < 3 or "tensor" not in p.axes:
-            continue
-        col += p.logical[1] == "embed"
-        row += p.logical[-1] == "embed"
+    row = sum(p.role == "layer" and len(p.shape) >= 3 and "tensor" in p.axes
+              and p.logical[-1] == "embed" for p in params)  # fmt: skip
+    col = len(column_kernels(params))
     return col, row
 
 
@@ -338,7 +336,7 @@ def _layers(out: _Sink, s: Any, act: float, rows: int) -> None:
             again = row - 1 if sched is None else row
             out.add("all-reduce", ("tensor",), count * again * a, count * again,
                     row_outputs(s, "row-parallel outputs (recomputed in backward)"))  # fmt: skip
-        input_gradients(out, s, col, count, a)  # one per input on GPU
+        input_gradients(out, s, count, a)  # one per input on GPU
         sequence_traffic(out, s, act)  # Megatron SP's gathers (strategies tp_sp, fsdp_tp_sp)
 
 
