@@ -2,7 +2,8 @@
 
 A strategy is a set of parts, each a block of the axis map (`partition_rules.strategies`) and the
 mesh axis it splits over: ``dp`` (the batch over ``data``; a ``data`` axis always carries the
-batch, so ``dp`` may be left out), ``fsdp`` (ZeRO-3 over ``fsdp``), ``ep`` (experts over
+batch, so ``dp`` may be left out), ``zero1`` (the optimizer state over ``data`` on top of each
+parameter's layout: ZeRO-1, Megatron's distributed optimizer), ``fsdp`` (ZeRO-3 over ``fsdp``), ``ep`` (experts over
 ``expert``), ``tp`` (Megatron over ``tensor``), ``sp`` (Megatron sequence parallelism: the sequence
 over ``tensor`` between tp's matmuls, so only with tp), ``cp`` (the sequence over ``context``) and
 ``pp`` (the layer stack's stages over ``stage``). The mesh's axis sizes say how far each goes.
@@ -28,6 +29,7 @@ from partition_rules._rules import AxisMap, UnknownPresetError
 # Each part, in the order a composition is written: its mesh axis and its block of the axis map.
 PART_AXES: dict[str, str] = {
     "dp": "data",
+    "zero1": "data",
     "fsdp": "fsdp",
     "ep": "expert",
     "tp": "tensor",
@@ -41,6 +43,10 @@ PARTS = tuple(PART_AXES)
 # bytes per device are the total over fsdp: a replicated remainder would grow with the mesh.
 _BLOCKS: dict[str, AxisMap] = {
     "dp": AxisMap(),
+    # ZeRO-1 (Megatron's distributed optimizer, MaxText's shard_optimizer_over_data): no
+    # parameter moves; "optimizer" names no parameter dimension either, it says which mesh axis
+    # the optimizer state is split over on top of its parameter's layout (`sharding.StepLayout`).
+    "zero1": AxisMap({"optimizer": "data"}),
     "fsdp": AxisMap({"embed": "fsdp", "features": "fsdp", "conv_out": "fsdp", "norm": "fsdp"}),
     # Expert parallelism: each expert's weights live on one `expert` device; tokens travel to
     # them by all-to-all (the batch is split over `expert` too, `sharding.BATCH_AXES`).
@@ -52,6 +58,8 @@ _BLOCKS: dict[str, AxisMap] = {
 # What each part splits, in the guides' terms (a composition's description joins its parts').
 PART_TEXT: dict[str, str] = {
     "dp": "batch split over data, gradients all-reduced once per step",
+    "zero1": "optimizer state split over data (ZeRO-1): gradients reduce-scattered, each device "
+    "updates its slice, updated weights all-gathered once per step",
     "fsdp": "weights and batch split over fsdp (ZeRO-3): weights all-gathered per layer "
     "(per step inside a pipeline's stages), gradients reduce-scattered",
     "ep": "experts split over expert, tokens sent to them and back by all-to-alls",
@@ -147,7 +155,7 @@ def composition(strategy: str) -> Composition:
 
     Raises:
         CompositionError: an unknown name or part, a part written twice, ``sp`` without
-            ``tp``, or not a string (the message lists the parts and the names).
+            ``tp``, ``zero1`` with ``fsdp``, or not a string (the message lists the parts and the names).
     """
     if not isinstance(strategy, str):
         raise CompositionError(f"strategy {strategy!r} is not a name; {_known()}")
@@ -177,6 +185,12 @@ def _composition(strategy: str) -> Composition:
             f"sequence over tensor between tensor parallelism's matmuls; write "
             f"{'+'.join(sorted({*parts, 'tp'}, key=PARTS.index))}, or cp to split the sequence "
             f"on its own"
+        )
+    if "zero1" in parts and "fsdp" in parts:
+        raise CompositionError(
+            f"strategy {strategy!r} has zero1 with fsdp: fsdp splits the optimizer state with "
+            f"the weights already; write {'+'.join(p for p in parts if p != 'zero1')} (and give "
+            f"fsdp the data devices), or zero1 without fsdp"
         )
     ordered = tuple(p for p in PARTS if p in parts)
     return Composition(ordered if ordered == ("dp",) else tuple(p for p in ordered if p != "dp"))

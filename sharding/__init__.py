@@ -70,6 +70,7 @@ from sharding._resolve import (
     shard_abstract,
 )
 from sharding._sequence import SequenceLayoutError
+from sharding._shardings import OptimizerSplitError
 from sharding._stack import StackCarryError, StackError
 from sharding._step import (
     AccumulationError,
@@ -102,6 +103,7 @@ __all__ = [
     "MeshSpec",
     "MeshSpecError",
     "MultipleFillAxesError",
+    "OptimizerSplitError",
     "Placement",
     "Placements",
     "RankMismatchError",

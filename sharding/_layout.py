@@ -23,7 +23,9 @@ from sharding._sequence import SequenceLayout
 from sharding._shardings import (
     check_no_stage_split,
     check_stack_staged,
+    optimizer_axes,
     shardings_like_params,
+    split_optimizer,
     stage_weights_whole_over_fsdp,
 )
 from sharding.pipeline import Schedule, Staging, stage_manual_axes
@@ -34,7 +36,8 @@ class StepLayout:
     """The placement of one step's state, batch and pipeline on ``mesh``.
 
     ``params`` / ``state``: the shardings of the parameters and of the whole train state
-    (``{"params", "opt_state", "step"}``, optimizer state like its parameters); ``sequence``:
+    (``{"params", "opt_state", "step"}``, optimizer state like its parameters, and split over
+    the strategy's ``"optimizer"`` axes too: zero1); ``sequence``:
     the strategy's sequence layout, bound to the parameters' layouts; ``staging``: the
     pipeline's placement, None without one; ``unused_rules``: rules that matched no parameter.
     """
@@ -72,7 +75,12 @@ class StepLayout:
         replicated = jshard.NamedSharding(mesh, jshard.PartitionSpec())
         state = {
             "params": shardings,
-            "opt_state": shardings_like_params(opt_state, params, shardings, mesh),
+            "opt_state": split_optimizer(
+                opt_state,
+                shardings_like_params(opt_state, params, shardings, mesh),
+                optimizer_axes(axis_map, mesh),
+                mesh,
+            ),
             "step": replicated,
         }
         sequence.bind(params, shardings, stack)

@@ -31,6 +31,10 @@ class AccumulationError(StepConfigError):
     """Gradient accumulation steps do not divide the batch evenly."""
 
 
+class OptimizerSplitError(StepConfigError):
+    """Optimizer state that a strategy splits over a mesh axis (zero1) and cannot be split."""
+
+
 def remat_wrapper(policy: str) -> Callable | None:
     """The per-layer wrapper for a remat policy name: none, full, or dots.
 
@@ -201,3 +205,52 @@ def shardings_like_params(tree: Any, params: Any, param_shardings: Any, mesh: js
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def optimizer_axes(axis_map: Any, mesh: jshard.Mesh) -> tuple[str, ...]:
+    """The mesh axes of size > 1 the strategy splits the optimizer state over on top of its
+    parameters' layouts (its ``"optimizer"`` entry: zero1's ``data``); () for none."""
+    if getattr(axis_map, "is_identity", False) or "optimizer" not in axis_map:
+        return ()
+    entry = axis_map["optimizer"]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return tuple(a for a in axes if dict(mesh.shape).get(a, 1) > 1)
+
+
+def split_optimizer(tree: Any, shardings: Any, axes: tuple[str, ...], mesh: jshard.Mesh) -> Any:
+    """Optimizer-state ``shardings`` further split over ``axes`` (ZeRO-1): each array leaf of
+    ``tree`` takes the axes on its largest dimension whose per-device length they divide, after
+    the axes its parameter's layout already puts there; scalars (step counts) stay whole.
+
+    Raises:
+        OptimizerSplitError: an array leaf none of whose dimensions the axes divide (the path,
+            its shape and what to change).
+    """
+    if not axes:
+        return shardings
+    n = math.prod(dict(mesh.shape)[a] for a in axes)
+
+    def entry(e: Any) -> tuple[str, ...]:
+        return (e,) if isinstance(e, str) else tuple(e or ())
+
+    def split(key_path: tuple, leaf: Any, s: jshard.NamedSharding) -> jshard.NamedSharding:
+        if not getattr(leaf, "shape", ()):
+            return s
+        spec = list(s.spec) + [None] * (len(leaf.shape) - len(s.spec))
+        local = [d // math.prod(dict(mesh.shape)[a] for a in entry(e))
+                 for d, e in zip(leaf.shape, spec, strict=True)]  # fmt: skip
+        fits = [i for i, d in enumerate(local) if d % n == 0]
+        if not fits:
+            raise OptimizerSplitError(
+                f"zero1 splits the optimizer state over {'x'.join(axes)}={n}, and "
+                f"{path_str(key_path)} (shape {tuple(leaf.shape)}, {local} per device under its "
+                f"parameter's layout {s.spec}) has no dimension {n} divides; use a mesh whose "
+                f"{'x'.join(axes)} size divides one of {sorted(set(local))}, or drop zero1 from "
+                f"the strategy"
+            )
+        i = max(fits, key=lambda k: (local[k], -k))
+        merged = entry(spec[i]) + axes
+        spec[i] = merged[0] if len(merged) == 1 else merged
+        return jshard.NamedSharding(mesh, jshard.PartitionSpec(*spec))
+
+    return jax.tree_util.tree_map_with_path(split, tree, shardings)

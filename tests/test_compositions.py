@@ -86,7 +86,9 @@ def test_every_name_is_an_alias_of_its_composition():
         ("sp+pp", r"'sp\+pp' has sp without tp.*write tp\+sp\+pp, or cp"),
         ("fsdp+tp+fsdp", r"names 'fsdp' twice; write each part once, e.g. fsdp\+tp"),
         ("fsdp+zero", r"unknown strategy 'fsdp\+zero'; strategies that exist: dp, .* or parts "
-                      r"joined by '\+' \(dp, fsdp, ep, tp, sp, cp, pp"),
+                      r"joined by '\+' \(dp, zero1, fsdp, ep, tp, sp, cp, pp"),
+        ("zero1+fsdp", r"'zero1\+fsdp' has zero1 with fsdp: fsdp splits the optimizer state "
+                       r"with the weights already; write fsdp"),
         ("pp_tp+fsdp", r"'pp_tp' is a name, not a part: write its parts, tp\+pp"),
         ("", r"strategy '' is not a name"),
     ],

@@ -21,7 +21,7 @@ program overlaps them (`StepWork.tensor_overlap`); the rest is exposed. Gradient
 all-reduces run once per step, exposed after the micro-step loop, where the target's XLA moves
 them out of it (`sharding.targets.PLATFORMS`), else once per micro-step as the program shows; a
 program that buckets them behind its last micro-batch (`StepWork.reduction_overlap`) hides them
-behind one micro-batch's compute.
+behind one micro-batch's compute, as it does zero1's weight gathers, else exposed after the update.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from sharding._units import fmt_bytes, fmt_count
 from sharding.costmodel._passes import pass_sentences, run_kind
 from sharding.costmodel._predict import CostModelError
 from sharding.costmodel._traffic import SHIFT_GATHERS
+from sharding.costmodel._zero import UPDATED_WEIGHTS
 from sharding.inspection import overlap_options
 from sharding.targets import PLATFORMS, Target, target
 
@@ -47,8 +48,15 @@ OVERLAP = 0.8
 MEMORY_FRACTION = 0.9
 OVERLAP_AXES = frozenset({"data", "fsdp"})  # their reductions and gathers overlap compute
 RINGS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})  # over rails across nodes
-# Rules of the gradient reductions that follow a loop (the tick scan, the accumulation loop).
-AFTER_LOOPS = frozenset({"exposed: after the tick scan", "exposed: after the accumulation loop"})
+# Rules of what follows a loop (the tick scan, the accumulation loop) or the update (zero1's
+# weight gathers): exposed, unless the program buckets them (`StepWork.reduction_overlap`).
+AFTER_LOOPS = frozenset(
+    {
+        "exposed: after the tick scan",
+        "exposed: after the accumulation loop",
+        "exposed: after the optimizer update",
+    }
+)
 BACKWARD_SHARE = {"none": 2 / 3, "dots": 2 / 3, "full": 3 / 4}  # of the matmul time, by remat
 _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
          "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
@@ -212,6 +220,8 @@ def _overlap_rule(c: CollectiveWork, pipelined: bool, tensor_overlap: bool = Fal
         return "exposed: pipeline transfer between ticks"  # the shifts, and their gathers
     if "tensor" in axes:
         return "tensor" if tensor_overlap else "exposed: tensor-parallel, inside the layers"
+    if c.kind == "all-gather" and (UPDATED_WEIGHTS in c.what or c.axes == ("data",)):  # zero1's
+        return "exposed: after the optimizer update"
     if axes <= OVERLAP_AXES and c.kind == "all-gather":
         return "gather"
     if axes <= OVERLAP_AXES and c.kind in ("all-reduce", "reduce-scatter"):
@@ -341,7 +351,8 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"matmul time; " + ("tensor-parallel collectives overlap the matmuls they feed "
         f"(collective matmuls) up to {overlap:.0%} of the matmul time; pipeline permutes are "
         f"exposed" if work.tensor_overlap else "tensor-parallel collectives (inside each layer) "
-        "and pipeline permutes are exposed") + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
+        "and pipeline permutes are exposed") + "; zero1's updated weights are gathered after the "
+        "optimizer update, exposed" + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
                       "exposed." if work.schedule and not work.reduction_overlap else ".")
         + " On a GPU this overlap needs XLA's latency-hiding scheduler and pipelined "
           "collectives: spmdkit gives every GPU compile "

@@ -1,0 +1,140 @@
+"""ZeRO-1 as a part of a strategy (``zero1``: the optimizer state split over data).
+
+Against one device (loss and gradients) and against the same composition without zero1 (the
+parameters after two Adam steps: splitting the update must not change it); the optimizer state's
+layout; the compiled program's weight gathers and state bytes against the closed form, exactly;
+their price; and the refusals. Tiny sizes: llama tiny with 4 layers, batch 8, seq 32.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import jax
+import numpy as np
+import pytest
+from closeness import assert_close
+
+import models
+from partition_rules import CompositionError, composition
+from sharding import StepConfigError, Workload, build_program, make_mesh
+from sharding.costmodel import CollectiveWork, StepWork, predict, step_time
+
+BATCH, SEQ, LAYERS = 8, 32, 4
+CASES = {  # composition with zero1 -> (its mesh, the pipeline schedule or None)
+    "zero1": ("data=8", None),
+    "zero1+tp": ("data=2,tensor=4", None),
+    "zero1+tp+pp": ("stage=2,data=2,tensor=2", "gpipe"),
+}
+
+
+def cfg():
+    return models.llama.config("tiny", n_layers=LAYERS)
+
+
+@cache
+def batch() -> dict:
+    made = models.llama.make_batch(cfg(), BATCH, SEQ, key=jax.random.key(7))
+    return {k: np.asarray(v) for k, v in made.items()}
+
+
+@cache
+def program(strategy: str, mesh: str, schedule: str | None):
+    work = Workload.from_family(models.llama, cfg())
+    return build_program(work, strategy, mesh, batch=BATCH, seq=SEQ, schedule=schedule,
+                         microbatches=2 if schedule else None)  # fmt: skip
+
+
+def trained(prog) -> tuple[dict, dict]:
+    """(parameters, optimizer state) on the host after two steps from seed 0."""
+    state = prog.init(seed=0)
+    for _ in range(2):
+        state, _ = prog.step(state, batch())
+    return jax.device_get(state["params"]), state["opt_state"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zero1_trains_as_the_composition_without_it(name):
+    mesh, schedule = CASES[name]
+    one = build_program(Workload.from_family(models.llama, cfg()), "dp",
+                        make_mesh("data=1", jax.devices()[:1]), batch=BATCH, seq=SEQ)  # fmt: skip
+    params = jax.device_get(one.init(seed=0)["params"])
+    want_loss, want_grads = one.loss_and_grads(params, batch())
+    prog = program(name, mesh, schedule)
+    loss, grads = prog.loss_and_grads(jax.device_put(params, prog.param_shardings), batch())
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert_close(jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, want_grads))
+
+    without = composition(name.replace("zero1+", "").replace("zero1", "dp")).name
+    got, opt_state = trained(prog)
+    want, _ = trained(program(without, mesh, schedule))
+    assert_close(got, want)
+    # Every moment array is split over data on top of its parameter's layout; the count is whole.
+    for leaf in jax.tree.leaves(opt_state):
+        axes = {a for e in leaf.sharding.spec for a in ((e,) if isinstance(e, str) else e or ())}
+        assert ("data" in axes) == (leaf.ndim > 0), (leaf.shape, leaf.sharding.spec)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_weight_gathers_and_state_bytes_are_the_closed_forms(name):
+    mesh, schedule = CASES[name]
+    prog = program(name, mesh, schedule)
+    gathers = [c for c in prog.report().collectives
+               if c.kind == "all-gather" and c.axes == ("data",)]  # fmt: skip
+    sizes = dict(prog.mesh.shape)
+    pred = predict(models.llama, cfg(), name, sizes, BATCH, SEQ,
+                   pipeline=(schedule, 2, 1) if schedule else None)  # fmt: skip
+    modelled = [t for t in pred.traffic if t.kind == "all-gather" and t.axes == ("data",)]
+    assert [t.what for t in modelled] == ["updated weights gathered after the optimizer "
+                                          "update (zero1)"] * len(modelled)  # fmt: skip
+    assert sum(c.bytes * c.multiplicity for c in gathers) == sum(t.bytes for t in modelled)
+    assert sum(c.multiplicity for c in gathers) == sum(t.count for t in modelled) == 12
+    # Float32 weights, gathered whole over data: each device's share of every parameter.
+    params = prog.init(seed=0)
+    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params["params"]))
+    assert sum(t.bytes for t in modelled) == held
+    state = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params["opt_state"]))
+    assert pred.optimizer_bytes == state
+    assert pred.optimizer_bytes < predict(models.llama, cfg(), name.replace("zero1", "dp"), sizes,
+                                          BATCH, SEQ, pipeline=(schedule, 2, 1) if schedule
+                                          else None).optimizer_bytes // 1.9  # fmt: skip
+
+
+def test_the_weight_gathers_are_priced_after_the_update():
+    gather = CollectiveWork(
+        "all-gather",
+        ("data",),
+        4e9,
+        12,
+        "updated weights gathered after the optimizer update (zero1)",
+    )
+    work = StepWork({"data": 8}, 6e13, [gather], tokens=8 * 4096, dtype="bfloat16")
+    st = step_time(work, "h100:1x8")
+    assert st.collectives[0].overlap == "exposed: after the optimizer update"
+    assert st.exposed_comm_s == pytest.approx(st.collectives[0].time_s)
+    work.reduction_overlap = True  # Megatron's --overlap-param-gather: behind the first forward
+    hidden = step_time(work, "h100:1x8")
+    assert hidden.collectives[0].overlap == "micro"
+    assert hidden.exposed_comm_s < st.exposed_comm_s
+
+
+def test_zero1_with_fsdp_is_refused():
+    with pytest.raises(
+        CompositionError,
+        match=r"zero1 with fsdp: fsdp splits the optimizer "
+        r"state with the weights already; write fsdp\+tp",
+    ):
+        composition("zero1+fsdp+tp")
+
+
+def test_a_state_that_data_cannot_split_is_refused_before_compiling():
+    # data=6 divides no dimension of llama tiny (64 wide, 256 words, 8 per head, 4 layers).
+    match = (
+        r"zero1 splits the optimizer state over data=6, and \S+ \(shape \(.*\), \[.*\] per "
+        r"device .*\) has no dimension 6 divides; use a mesh whose data size divides one of"
+    )
+    with pytest.raises(StepConfigError, match=match):
+        build_program(Workload.from_family(models.llama, cfg()), "zero1",
+                      make_mesh("data=6", jax.devices()[:6]), batch=6, seq=SEQ)  # fmt: skip
+    with pytest.raises(StepConfigError, match=match):
+        predict(models.llama, cfg(), "zero1", {"data": 6}, 6, SEQ)
