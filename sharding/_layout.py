@@ -39,7 +39,8 @@ class StepLayout:
     (``{"params", "opt_state", "step"}``, optimizer state like its parameters, and split over
     the strategy's ``"optimizer"`` axes too: zero1); ``sequence``:
     the strategy's sequence layout, bound to the parameters' layouts; ``staging``: the
-    pipeline's placement, None without one; ``unused_rules``: rules that matched no parameter.
+    pipeline's placement, None without one; ``unused_rules``: rules that matched no parameter;
+    ``optimizer_whole``: optimizer-state arrays zero1 could not split (no dimension divides).
     """
 
     mesh: jshard.Mesh
@@ -48,6 +49,7 @@ class StepLayout:
     sequence: SequenceLayout
     staging: Staging | None
     unused_rules: list
+    optimizer_whole: list[str]
 
     @classmethod
     def of(cls, rules: Rules, axis_map: AxisMap, mesh: jshard.Mesh, params: Any, opt_state: Any,
@@ -73,18 +75,11 @@ class StepLayout:
         else:
             check_no_stage_split(shardings, mesh)
         replicated = jshard.NamedSharding(mesh, jshard.PartitionSpec())
-        state = {
-            "params": shardings,
-            "opt_state": split_optimizer(
-                opt_state,
-                shardings_like_params(opt_state, params, shardings, mesh),
-                optimizer_axes(axis_map, mesh),
-                mesh,
-            ),
-            "step": replicated,
-        }
+        like = shardings_like_params(opt_state, params, shardings, mesh)
+        opt, whole = split_optimizer(opt_state, like, optimizer_axes(axis_map, mesh), mesh)
+        state = {"params": shardings, "opt_state": opt, "step": replicated}
         sequence.bind(params, shardings, stack)
-        return cls(mesh, shardings, state, sequence, staging, unused)
+        return cls(mesh, shardings, state, sequence, staging, unused, whole)
 
     @property
     def replicated(self) -> jshard.NamedSharding:

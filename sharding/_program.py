@@ -44,6 +44,7 @@ class TrainProgram:
     pipeline: PipelineSpec | None = None  # how it was asked for (stage_layers included)
     check_batch: Callable[[dict], None] | None = field(default=None, repr=False)
     unused_rules: list[dict] = field(default_factory=list)
+    optimizer_whole: list[str] = field(default_factory=list)  # zero1 arrays no data size divides
 
     @property
     def param_shardings(self) -> Any:
@@ -121,6 +122,10 @@ class TrainProgram:
             s = self.schedule
             report.extra["pipeline"] = f"{s.name} stages={s.stages} microbatches={s.microbatches}"
             report.extra["bubble_fraction"] = round(s.bubble_fraction, 4)
+        if self.optimizer_whole:
+            report.extra["optimizer state kept whole over data (zero1: no dimension divides)"] = (
+                ", ".join(self.optimizer_whole)
+            )
         if self.unused_rules:
             report.extra["rules that matched no parameter (check the regex)"] = ", ".join(
                 f"rule {u['index']} {u['pattern']!r}" for u in self.unused_rules

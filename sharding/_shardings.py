@@ -217,18 +217,22 @@ def optimizer_axes(axis_map: Any, mesh: jshard.Mesh) -> tuple[str, ...]:
     return tuple(a for a in axes if dict(mesh.shape).get(a, 1) > 1)
 
 
-def split_optimizer(tree: Any, shardings: Any, axes: tuple[str, ...], mesh: jshard.Mesh) -> Any:
-    """Optimizer-state ``shardings`` further split over ``axes`` (ZeRO-1): each array leaf of
-    ``tree`` takes the axes on its largest dimension whose per-device length they divide, after
-    the axes its parameter's layout already puts there; scalars (step counts) stay whole.
+def split_optimizer(
+    tree: Any, shardings: Any, axes: tuple[str, ...], mesh: jshard.Mesh
+) -> tuple[Any, list[str]]:
+    """Optimizer-state ``shardings`` further split over ``axes`` (ZeRO-1), and the paths of the
+    arrays kept whole over them. Each array leaf of ``tree`` takes the axes on its largest
+    dimension whose per-device length they divide, after the axes its parameter's layout
+    already puts there; scalars (step counts) stay whole, and so does an array none of whose
+    dimensions they divide (a bias of 16 under data=48: listed, `TrainProgram.report` says so).
 
     Raises:
-        OptimizerSplitError: an array leaf none of whose dimensions the axes divide (the path,
-            its shape and what to change).
+        OptimizerSplitError: no array could be split (the axes divide no dimension of any).
     """
     if not axes:
-        return shardings
+        return shardings, []
     n = math.prod(dict(mesh.shape)[a] for a in axes)
+    whole: list[tuple[str, tuple[int, ...]]] = []
 
     def entry(e: Any) -> tuple[str, ...]:
         return (e,) if isinstance(e, str) else tuple(e or ())
@@ -241,16 +245,21 @@ def split_optimizer(tree: Any, shardings: Any, axes: tuple[str, ...], mesh: jsha
                  for d, e in zip(leaf.shape, spec, strict=True)]  # fmt: skip
         fits = [i for i, d in enumerate(local) if d % n == 0]
         if not fits:
-            raise OptimizerSplitError(
-                f"zero1 splits the optimizer state over {'x'.join(axes)}={n}, and "
-                f"{path_str(key_path)} (shape {tuple(leaf.shape)}, {local} per device under its "
-                f"parameter's layout {s.spec}) has no dimension {n} divides; use a mesh whose "
-                f"{'x'.join(axes)} size divides one of {sorted(set(local))}, or drop zero1 from "
-                f"the strategy"
-            )
+            whole.append((path_str(key_path), tuple(local)))
+            return s
         i = max(fits, key=lambda k: (local[k], -k))
         merged = entry(spec[i]) + axes
         spec[i] = merged[0] if len(merged) == 1 else merged
         return jshard.NamedSharding(mesh, jshard.PartitionSpec(*spec))
 
-    return jax.tree_util.tree_map_with_path(split, tree, shardings)
+    out = jax.tree_util.tree_map_with_path(split, tree, shardings)
+    arrays = [x for x in jax.tree.leaves(tree) if getattr(x, "shape", ())]
+    if arrays and len(whole) == len(arrays):
+        path, local = whole[0]
+        raise OptimizerSplitError(
+            f"zero1 splits the optimizer state over {'x'.join(axes)}={n}, and {n} divides no "
+            f"dimension of any of its arrays (e.g. {path}, {list(local)} per device under its "
+            f"parameter's layout); use a mesh whose {'x'.join(axes)} size divides one of "
+            f"{sorted(set(local))}, or drop zero1 from the strategy"
+        )
+    return out, [p for p, _ in whole]

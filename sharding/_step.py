@@ -302,4 +302,5 @@ def _program(layout: StepLayout, graphdef: Any, params: Any, opt_state: Any, ini
         pipeline=pipeline,
         check_batch=check_batch,
         unused_rules=layout.unused_rules,
+        optimizer_whole=layout.optimizer_whole,
     )

@@ -129,12 +129,21 @@ def test_zero1_with_fsdp_is_refused():
 
 def test_a_state_that_data_cannot_split_is_refused_before_compiling():
     # data=6 divides no dimension of llama tiny (64 wide, 256 words, 8 per head, 4 layers).
-    match = (
-        r"zero1 splits the optimizer state over data=6, and \S+ \(shape \(.*\), \[.*\] per "
-        r"device .*\) has no dimension 6 divides; use a mesh whose data size divides one of"
-    )
+    match = (r"zero1 splits the optimizer state over data=6, and 6 divides no dimension of any "
+             r"of its arrays \(e\.g\. \S+, \[.*\] per device under its parameter's layout\); "
+             r"use a mesh whose data size divides one of")  # fmt: skip
     with pytest.raises(StepConfigError, match=match):
         build_program(Workload.from_family(models.llama, cfg()), "zero1",
                       make_mesh("data=6", jax.devices()[:6]), batch=6, seq=SEQ)  # fmt: skip
     with pytest.raises(StepConfigError, match=match):
         predict(models.llama, cfg(), "zero1", {"data": 6}, 6, SEQ)
+
+
+def test_arrays_no_dimension_of_which_divides_stay_whole_and_are_counted_whole():
+    # data=128 divides the 256-long dimensions (the table's words, the MLP's hidden) only: those
+    # arrays' moments split and their weights are gathered, every other array's stays whole.
+    dp = predict(models.llama, cfg(), "dp", {"data": 128}, 128, SEQ)
+    z1 = predict(models.llama, cfg(), "zero1", {"data": 128}, 128, SEQ)
+    gathered = [t.bytes for t in z1.traffic if t.kind == "all-gather"]
+    assert 0 < len(gathered) < 12
+    assert dp.optimizer_bytes - z1.optimizer_bytes == sum(2 * (b - b // 128) for b in gathered)

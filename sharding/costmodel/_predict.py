@@ -32,7 +32,7 @@ from sharding.costmodel._elementwise import elementwise_bytes
 from sharding.costmodel._pipesplits import split_pipeline_traffic, splits_inside_stages
 from sharding.costmodel._setup import LM_FAMILIES, CostModelError, Setup, setup
 from sharding.costmodel._traffic import Traffic, traffic
-from sharding.costmodel._zero import optimizer_split, updated_weight_gathers
+from sharding.costmodel._zero import optimizer_share, updated_weight_gathers
 from sharding.inspection import COLLECTIVE_KINDS
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}  # float32 moments per parameter
@@ -345,7 +345,7 @@ def predict(
         n_params=s.n_params,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
-        optimizer_bytes=moments * param_bytes // optimizer_split(s) + (4 if moments else 0),
+        optimizer_bytes=round(moments * param_bytes * optimizer_share(s)) + (4 if moments else 0),
         batch_bytes=2 * rows * seq * 4,
         activation_bytes=int(activations),
         working_bytes=int(transient + gathered + logits),
