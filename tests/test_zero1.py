@@ -18,7 +18,7 @@ from closeness import assert_close
 import models
 from partition_rules import CompositionError, composition
 from sharding import StepConfigError, Workload, build_program, make_mesh
-from sharding.costmodel import CollectiveWork, StepWork, predict, step_time
+from sharding.costmodel import CollectiveWork, StepWork, layouts, predict, step_time
 
 BATCH, SEQ, LAYERS = 8, 32, 4
 CASES = {  # composition with zero1 -> (its mesh, the pipeline schedule or None)
@@ -147,3 +147,10 @@ def test_arrays_no_dimension_of_which_divides_stay_whole_and_are_counted_whole()
     gathered = [t.bytes for t in z1.traffic if t.kind == "all-gather"]
     assert 0 < len(gathered) < 12
     assert dp.optimizer_bytes - z1.optimizer_bytes == sum(2 * (b - b // 128) for b in gathered)
+
+
+def test_compare_offers_zero1_compositions_their_shapes():
+    got = [(x.label, x.mesh) for x in layouts(8, 4, strategies="zero1,zero1+tp,zero1+tp+pp")]
+    assert got == [("zero1", "data=8"), ("zero1+tp", "data=4,tensor=2"),
+                   ("zero1+tp+pp gpipe m=4", "stage=2,data=2,tensor=2")]  # fmt: skip
+    assert layouts(2, 4, strategies="zero1+tp") == []  # data would be 1: zero1 would split nothing

@@ -73,10 +73,14 @@ def _suggested(name: str, n: int) -> list[str]:
     }
     if name in table:
         return table[name]
-    # Any other composition: 2 on every axis it splits, the rest of the devices over data.
-    needs = sorted(splits(name)[1], key=AXES.index)
+    # Any other composition: 2 on every axis it splits, the rest of the devices over data (which
+    # zero1 needs > 1: it splits the optimizer state over it).
+    needs = sorted(splits(name)[1] - {"data"}, key=AXES.index)
     k = 2 ** len(needs)
-    return [",".join([*(f"{a}=2" for a in needs), f"data={n // k}"])] if n % k == 0 else []
+    data = n // k if n % k == 0 else 0
+    if not data or (data < 2 and "data" in splits(name)[1]):
+        return []
+    return [",".join([*(f"{a}=2" for a in needs), f"data={data}"])]
 
 
 __all__ = ["splits"]

@@ -5,9 +5,10 @@ The program (`sharding.StepLayout`) splits each optimizer-state array of a param
 strategy's ``"optimizer"`` axes on its largest dimension they divide, on top of the parameter's
 layout, and keeps an array none of whose dimensions they divide whole (the program's report
 lists them; refused where that is every array); the parameters stay as their rules place them.
-Each device updates its slice of every split parameter, so the updated float32 weights are all-gathered over those axes once per step, one
-gather per parameter array, after the update (measured on XLA:CPU: the gradients' all-reduces
-stay as they were). The split arrays' optimizer state per device divides by the axes' size.
+Each device updates its slice of every split parameter, so the updated float32 weights are
+all-gathered over those axes once per step, one gather per split array, after the update
+(measured on XLA:CPU: the gradients' all-reduces stay as they were). The split arrays'
+optimizer state per device divides by the axes' size.
 """
 
 from __future__ import annotations
