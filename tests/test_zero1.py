@@ -17,8 +17,15 @@ from closeness import assert_close
 
 import models
 from partition_rules import CompositionError, composition
-from sharding import StepConfigError, Workload, build_program, make_mesh
-from sharding.costmodel import CollectiveWork, StepWork, layouts, predict, step_time
+from sharding import StepConfigError, Workload, build_program, make_mesh, planning
+from sharding.costmodel import (
+    CollectiveWork,
+    NoFittingStrategyError,
+    StepWork,
+    layouts,
+    predict,
+    step_time,
+)
 
 BATCH, SEQ, LAYERS = 8, 32, 4
 CASES = {  # composition with zero1 -> (its mesh, the pipeline schedule or None)
@@ -154,3 +161,15 @@ def test_compare_offers_zero1_compositions_their_shapes():
     assert got == [("zero1", "data=8"), ("zero1+tp", "data=4,tensor=2"),
                    ("zero1+tp+pp gpipe m=4", "stage=2,data=2,tensor=2")]  # fmt: skip
     assert layouts(2, 4, strategies="zero1+tp") == []  # data would be 1: zero1 would split nothing
+
+
+def test_plan_finds_zero1_where_dp_does_not_fit():
+    # llama 7b on one node of 8 h100s: dp's replicated Adam state (16 bytes a parameter) fits no
+    # remat policy; zero1 on data=8 keeps 1/8 of the moments per device and fits.
+    with pytest.raises(NoFittingStrategyError, match=r"fits no strategy on h100:1x8"):
+        planning.plan(models.llama, size="7b", target="h100:1x8", batch=32, seq=4096,
+                      strategies="dp", aot=0)  # fmt: skip
+    found = planning.plan(models.llama, size="7b", target="h100:1x8", batch=32, seq=4096,
+                          strategies="dp,zero1", aot=0)  # fmt: skip
+    best = found.ranked[0]
+    assert (best.layout.strategy, best.layout.mesh, best.fits) == ("zero1", "data=8", True)

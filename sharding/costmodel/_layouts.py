@@ -27,7 +27,7 @@ DEFAULT = ORDER[:8]  # what every model is offered when no strategy is named
 # Compositions without a name that plan's search tries beside DEFAULT (any composition can be
 # named): ZeRO-3 in tensor-split stages, the largest dense runs' layout (torchtitan 405B: fsdp 8
 # x tensor 8 x pp 8).
-PRICED_COMPOSITIONS = ("fsdp+tp+pp",)
+PRICED_COMPOSITIONS = ("fsdp+tp+pp", "zero1", "zero1+tp", "zero1+tp+pp")
 # From this sequence length on, compare and plan also offer the sequence splits to a model whose
 # attention can run split (Megatron SP, context parallelism): below it attention's activations
 # are small beside the weights and the splits only add traffic.

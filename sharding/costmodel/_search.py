@@ -21,7 +21,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from partition_rules import composition
 from sharding._resolve import RuleError
+from sharding._shardings import OptimizerSplitError
 from sharding._units import fmt_bytes
 from sharding._workload import Workload
 from sharding.costmodel._batching import micro_steps
@@ -229,7 +231,8 @@ def candidates(
                     pred = predict(family, cfg, run.strategy, run.sizes, batch, seq,
                                    pipeline=run.pipeline(), dtype=dtype, optimizer=optimizer,
                                    remat=remat, attention=attention, accum=k)  # fmt: skip
-                except (CostModelError, PipelineConfigError, RuleError, ScheduleError) as e:
+                except (CostModelError, OptimizerSplitError, PipelineConfigError, RuleError,
+                        ScheduleError) as e:  # fmt: skip
                     why = _reason(e)
                     continue
                 st = step_time(work_from_prediction(pred, model_flops=useful.matmul_flops), tgt)
@@ -292,7 +295,8 @@ def few_layouts(found: list[Layout], per_node: int, limit: int = MAX_COMPILES) -
     """The layouts `compiled_candidates` compiles: per strategy the least and the most split
     mesh (tensor kept within a node of ``per_node`` where possible), pipelines at their fewest
     stages under each schedule; at most ``limit``, in `ORDER`, over the limit dropping the
-    interleaved pipelines first, then zb-h1's, 1f1b's and gpipe's.
+    zero1 compositions first (their programs differ from their bases' in the optimizer update
+    alone), then the interleaved pipelines, zb-h1's, 1f1b's and gpipe's.
 
     Example:
         >>> found = layouts(8, 4, strategies="fsdp,pp", search=True, batch=8)
@@ -315,7 +319,11 @@ def few_layouts(found: list[Layout], per_node: int, limit: int = MAX_COMPILES) -
         most = max(inside, key=lambda x: (split(x), -x.sizes["tensor"], -x.sizes["stage"]))
         out += [least] if schedule is not None or most == least else [least, most]
     rank = {s: i for i, s in enumerate(("gpipe", "1f1b", "zb-h1", "interleaved"))}
-    keep = sorted(range(len(out)), key=lambda i: (rank.get(out[i].schedule, -1), i))[:limit]
+
+    def drop(x: Layout) -> int:  # zero1's program differs from its base's in the update alone
+        return len(rank) if "zero1" in composition(x.strategy).parts else rank.get(x.schedule, -1)
+
+    keep = sorted(range(len(out)), key=lambda i: (drop(out[i]), i))[:limit]
     return [out[i] for i in sorted(keep)]
 
 
