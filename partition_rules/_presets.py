@@ -65,11 +65,13 @@ def strategy(name: str, **names: str | tuple[str, ...]) -> AxisMap:
     base = STRATEGIES[name] if known else composition(name).axis_map
     if not names:
         return base
-    if "sequence" in names:  # the step compiler reads it by this name: renamed, it would vanish
+    what = {"sequence": "where the activations' sequence goes",
+            "optimizer": "which mesh axis splits the optimizer state"}  # fmt: skip
+    for fixed in [k for k in what if k in names]:  # read by this name: renamed, it would vanish
         raise AxisRenameError(
-            f"strategy({name!r}, sequence={names['sequence']!r}): 'sequence' names no parameter "
-            f"dimension (it says where the activations' sequence goes) and cannot be renamed; "
-            f"drop sequence= and rename only the axes your rule table uses"
+            f"strategy({name!r}, {fixed}={names[fixed]!r}): {fixed!r} names no parameter "
+            f"dimension (it says {what[fixed]}) and cannot be renamed; drop {fixed}= and rename "
+            f"only the axes your rule table uses"
         )
     renamed = _user_names(name, base, names)
     kept = {k: v for k, v in base.items() if k not in names and k not in renamed}

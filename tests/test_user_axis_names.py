@@ -189,6 +189,9 @@ def test_a_user_name_equal_to_a_kept_shipped_name_wins():
          r"your name 'h' is given for both 'embed' and 'mlp'"),
         (lambda: strategy("fsdp", embed="h", mlp=("ffn", "h")), AxisRenameError,
          r"'h' is given for both"),
+        (lambda: strategy("zero1+tp", optimizer="opt"), AxisRenameError,
+         r"strategy\('zero1\+tp', optimizer='opt'\): 'optimizer' names no parameter dimension "
+         r"\(it says which mesh axis splits the optimizer state\) and cannot be renamed"),
         (lambda: strategy("fsdp", embed=3), AxisRenameError, r"3 is not a logical axis name"),
         (lambda: strategy("fsdp", embed=""), AxisRenameError, r"'' is not a logical axis name"),
         (lambda: strategy("fsdp", embed=("a", None)), AxisRenameError,
