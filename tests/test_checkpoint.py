@@ -128,6 +128,18 @@ def test_reshard_to_fsdp_tp_keeps_values_and_loss(reference, tmp_path, capsys):
                                rtol=1e-5)  # fmt: skip
 
 
+def test_resume_under_zero1_splits_the_restored_optimizer_state(reference, tmp_path, capsys):
+    """fsdp on fsdp=8 -> zero1 on data=8: the weights restored whole, the moments over data."""
+    ck_dir, metrics = copy_of(reference, tmp_path), tmp_path / "m.jsonl"
+    assert train("--mesh", "data=8", "--strategy", "zero1", "--checkpoint-dir", str(ck_dir),
+                 "--resume", "5", "--overwrite", "--metrics", str(metrics)) == 0  # fmt: skip
+    assert "resumed from step 5" in capsys.readouterr().out
+    resumed = losses(metrics)
+    assert list(resumed) == [6, 7, 8, 9, 10]
+    np.testing.assert_allclose(list(resumed.values()), [reference[1][s] for s in resumed],
+                               rtol=1e-5)  # fmt: skip
+
+
 def test_resume_under_pipeline_on_another_split(reference, tmp_path, capsys):
     """fsdp on fsdp=8 -> pp on stage=2,data=4: the batch split 8 -> 4 takes an elastic policy."""
     ck_dir = copy_of(reference, tmp_path)
