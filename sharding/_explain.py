@@ -22,7 +22,8 @@ from sharding._mesh import MeshSpec
 from sharding._resolve import Placement, place
 from sharding._units import fmt_bytes, fmt_count
 
-# Adam/AdamW keep two float32 moments per parameter, sharded like the parameter.
+# Adam/AdamW keep two float32 moments per parameter, sharded like the parameter (and over data
+# too under zero1).
 ADAM_MOMENTS = 2
 OPT_STATE_ITEMSIZE = 4
 
@@ -37,13 +38,17 @@ class Explanation:
     title: str = ""
     # Mesh axes the strategy splits the stack's activations' sequence over ("sequence"); () whole.
     sequence: tuple[str, ...] = ()
+    # Mesh axes zero1 splits the optimizer state over ("optimizer"), on top of the parameters'.
+    optimizer: tuple[str, ...] = ()
 
     @property
     def totals(self) -> dict[str, int | float]:
         n_params = sum(math.prod(r.shape) for r in self.rows)
-        per_device_elems = sum(math.prod(r.per_device_shape) for r in self.rows)
         params = sum(r.bytes_per_device for r in self.rows)
-        optimizer = per_device_elems * ADAM_MOMENTS * OPT_STATE_ITEMSIZE
+        n = math.prod(self.mesh.get(a, 1) for a in self.optimizer)
+        optimizer = ADAM_MOMENTS * OPT_STATE_ITEMSIZE * sum(  # zero1: an array some dim n divides
+            math.prod(r.per_device_shape) // (n if any(d % n == 0 for d in r.per_device_shape)
+                                              else 1) for r in self.rows)  # fmt: skip
         total = sum(r.bytes_total for r in self.rows)
         return {
             "parameters": n_params,
@@ -113,7 +118,8 @@ class Explanation:
         summary.add_row("parameters", fmt_count(t["parameters"]), fmt_bytes(t["param_bytes"]))
         summary.add_row("params / device", "", fmt_bytes(t["param_bytes_per_device"]))
         summary.add_row("grads / device", "", fmt_bytes(t["grad_bytes_per_device"]))
-        summary.add_row("adam state / device", "", fmt_bytes(t["adam_bytes_per_device"]))
+        split = f"split over {'x'.join(self.optimizer)} too (zero1)" if self.optimizer else ""
+        summary.add_row("adam state / device", "", fmt_bytes(t["adam_bytes_per_device"]), split)
         summary.add_row(
             Text("train state / device", style="bold"),
             "",
@@ -182,7 +188,7 @@ def explain(
     check_rules("explain", rules, axis_map)
     check_mesh("explain", mesh, spec_ok=True)
     p = place(rules, axis_map, abstract_params, mesh)
-    sequence = () if axis_map.is_identity or "sequence" not in axis_map else (
-        axis_map.mesh_axes("sequence"))  # fmt: skip
+    sequence, optimizer = (() if axis_map.is_identity or k not in axis_map else
+                           axis_map.mesh_axes(k) for k in ("sequence", "optimizer"))  # fmt: skip
     return Explanation(mesh=p.sizes, rows=p.placements, unused_rules=p.unused_rules, title=title,
-                       sequence=sequence)  # fmt: skip
+                       sequence=sequence, optimizer=optimizer)  # fmt: skip

@@ -14,10 +14,11 @@ import jax
 import numpy as np
 import pytest
 from closeness import assert_close
+from flax import nnx
 
 import models
 from partition_rules import CompositionError, composition
-from sharding import StepConfigError, Workload, build_program, make_mesh, planning
+from sharding import StepConfigError, Workload, build_program, explain, make_mesh, planning
 from sharding.costmodel import (
     CollectiveWork,
     NoFittingStrategyError,
@@ -173,3 +174,15 @@ def test_plan_finds_zero1_where_dp_does_not_fit():
                           strategies="dp,zero1", aot=0)  # fmt: skip
     best = found.ranked[0]
     assert (best.layout.strategy, best.layout.mesh, best.fits) == ("zero1", "data=8", True)
+
+
+def test_explain_counts_the_optimizer_state_split_over_data():
+    work = Workload.from_family(models.llama, cfg())
+    tp, z1 = (explain(work.rules, work.axis_map(s), lambda: work.model(nnx.Rngs(0)),
+                      "data=2,tensor=4") for s in ("tp", "zero1+tp"))  # fmt: skip
+    assert z1.totals["param_bytes_per_device"] == tp.totals["param_bytes_per_device"]
+    assert 2 * z1.totals["adam_bytes_per_device"] == tp.totals["adam_bytes_per_device"]
+    # And the program holds what explain says.
+    state = program("zero1+tp", "data=2,tensor=4", None).init(seed=0)["opt_state"]
+    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state) if x.ndim)
+    assert held == z1.totals["adam_bytes_per_device"]

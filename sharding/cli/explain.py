@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     parts = composition(args.strategy)
     example = EXAMPLE_MESHES_8.get(parts.alias or "")
     if args.mesh is None and example is None:
-        sizes = ",".join(f"{a}=2" for a in parts.axes if a != "data")
+        sizes = ",".join(f"{a}=2" for a in parts.axes if a != "data" or "zero1" in parts.parts)
         raise MeshSpecError(
             f"--strategy {args.strategy} has no example mesh; give --mesh, e.g. --mesh {sizes}"
         )
