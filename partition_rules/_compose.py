@@ -58,8 +58,8 @@ _BLOCKS: dict[str, AxisMap] = {
 # What each part splits, in the guides' terms (a composition's description joins its parts').
 PART_TEXT: dict[str, str] = {
     "dp": "batch split over data, gradients all-reduced once per step",
-    "zero1": "optimizer state split over data (ZeRO-1): gradients reduce-scattered, each device "
-    "updates its slice, updated weights all-gathered once per step",
+    "zero1": "optimizer state split over data (ZeRO-1): gradients all-reduced as dp's, each "
+    "device updates its slice, updated weights all-gathered over data once per step",
     "fsdp": "weights and batch split over fsdp (ZeRO-3): weights all-gathered per layer "
     "(per step inside a pipeline's stages), gradients reduce-scattered",
     "ep": "experts split over expert, tokens sent to them and back by all-to-alls",

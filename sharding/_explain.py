@@ -190,5 +190,6 @@ def explain(
     p = place(rules, axis_map, abstract_params, mesh)
     sequence, optimizer = (() if axis_map.is_identity or k not in axis_map else
                            axis_map.mesh_axes(k) for k in ("sequence", "optimizer"))  # fmt: skip
+    optimizer = tuple(a for a in optimizer if p.sizes.get(a, 1) > 1)  # zero1 on data=1: none
     return Explanation(mesh=p.sizes, rows=p.placements, unused_rules=p.unused_rules, title=title,
                        sequence=sequence, optimizer=optimizer)  # fmt: skip

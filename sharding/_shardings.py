@@ -241,6 +241,14 @@ def split_optimizer(
         if not getattr(leaf, "shape", ()):
             return s
         spec = list(s.spec) + [None] * (len(leaf.shape) - len(s.spec))
+        taken = [a for e in spec for a in entry(e) if a in axes]
+        if taken:
+            raise OptimizerSplitError(
+                f"the optimizer state is to be split over {'x'.join(axes)} on top of its "
+                f"parameter's layout, and {path_str(key_path)}'s layout {s.spec} splits over "
+                f"{taken[0]} already; split the optimizer state over another mesh axis (zero1: "
+                f"data), or drop {taken[0]} from the rules' axis map"
+            )
         local = [d // math.prod(dict(mesh.shape)[a] for a in entry(e))
                  for d, e in zip(leaf.shape, spec, strict=True)]  # fmt: skip
         fits = [i for i, d in enumerate(local) if d % n == 0]

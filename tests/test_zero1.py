@@ -12,13 +12,23 @@ from functools import cache
 
 import jax
 import numpy as np
+import optax
 import pytest
 from closeness import assert_close
 from flax import nnx
 
 import models
-from partition_rules import CompositionError, composition
-from sharding import StepConfigError, Workload, build_program, explain, make_mesh, planning
+from partition_rules import AxisMap, CompositionError, composition
+from sharding import (
+    StepConfigError,
+    Workload,
+    build_program,
+    compare,
+    compile_train_step,
+    explain,
+    make_mesh,
+    planning,
+)
 from sharding.costmodel import (
     CollectiveWork,
     NoFittingStrategyError,
@@ -26,6 +36,7 @@ from sharding.costmodel import (
     layouts,
     predict,
     step_time,
+    work_from_prediction,
 )
 
 BATCH, SEQ, LAYERS = 8, 32, 4
@@ -186,3 +197,43 @@ def test_explain_counts_the_optimizer_state_split_over_data():
     state = program("zero1+tp", "data=2,tensor=4", None).init(seed=0)["opt_state"]
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state) if x.ndim)
     assert held == z1.totals["adam_bytes_per_device"]
+
+
+def test_compare_prices_the_compiled_gathers_after_the_update_and_no_other_gather():
+    def rules(strategy: str, mesh: str | None = None) -> set:
+        result = compare(models.llama, size="tiny", batch=BATCH, seq=SEQ, strategies=strategy,
+                         mesh=mesh, dtype="float32")  # fmt: skip
+        return {(x.kind, x.axes, x.overlap) for x in result.candidates[0].predicted.collectives}
+
+    assert ("all-gather", ("data",), "exposed: after the optimizer update") in rules("zero1")
+    after = "exposed: after the optimizer update"
+    assert not [r for r in rules("fsdp_tp", "data=2,fsdp=2,tensor=2") if r[2] == after]
+    # Its closed form gathers the token table over data alone: not zero1's, prefetched.
+    pred = predict(models.llama, cfg(), "fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}, BATCH, SEQ)
+    st = step_time(work_from_prediction(pred), "h100:1x8")
+    assert ("all-gather", ("data",), "gather") in {(x.kind, x.axes, x.overlap)
+                                                   for x in st.collectives}  # fmt: skip
+
+
+def test_the_gathers_run_once_per_step_and_only_with_optimizer_state():
+    one = predict(models.llama, cfg(), "zero1", {"data": 8}, BATCH, SEQ)
+    four = predict(models.llama, cfg(), "zero1", {"data": 8}, 4 * BATCH, SEQ, accum=4)
+    gathers = [[(t.bytes, t.count) for t in p.traffic if t.kind == "all-gather"]
+               for p in (one, four)]  # fmt: skip
+    assert gathers[0] == gathers[1] and len(gathers[0]) == 12
+    sgd = predict(models.llama, cfg(), "zero1", {"data": 6}, 6, SEQ, optimizer="sgd")
+    assert not [t for t in sgd.traffic if t.kind == "all-gather"]  # nothing to split: no refusal
+
+
+def test_an_optimizer_axis_the_parameters_already_use_is_refused():
+    work = Workload.from_family(models.llama, cfg())
+    axis_map = AxisMap({**work.axis_map("fsdp"), "optimizer": "fsdp"})
+    with pytest.raises(
+        StepConfigError,
+        match=r"the optimizer state is to be split over fsdp on "
+        r"top of its parameter's layout, and \S+'s layout "
+        r"P\(.*\) splits over fsdp already",
+    ):
+        compile_train_step(lambda rngs: models.llama.Model(cfg(), rngs=rngs), models.llama.loss,
+                           optax.adamw(1e-3), work.rules, axis_map, make_mesh("fsdp=8"),
+                           models.llama.batch_shapes(cfg(), BATCH, SEQ), stack="layers")  # fmt: skip

@@ -15,17 +15,19 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import jax
 import optax
 
+from partition_rules import composition
 from sharding._init import state_bytes
 from sharding._mesh import mesh_text
 from sharding._workload import Workload
 from sharding.costmodel import (
+    UPDATED_WEIGHTS,
     CostModelError,
     Layout,
     Prediction,
@@ -183,6 +185,10 @@ def evaluate(
                           stage_layers=program.pipeline.stage_layers if piped else None,
                           accum=accum, elementwise_bytes=closed and closed.elementwise_bytes,
                           apart=apart)  # fmt: skip
+    if "zero1" in composition(layout.strategy).parts:  # its gathers over data alone: zero1's
+        sw.collectives = [replace(c, what=UPDATED_WEIGHTS)
+                          if c.kind == "all-gather" and c.axes == ("data",) else c
+                          for c in sw.collectives]  # fmt: skip
     by_axes = [{"kind": k, "axes": list(a or ()), "count": s.count, "bytes": s.bytes}
                for (k, a), s in report.summary(by_axes=True).items()]  # fmt: skip
     candidate = Candidate(

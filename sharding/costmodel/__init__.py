@@ -72,6 +72,7 @@ from sharding.costmodel._steptime import (
 )
 from sharding.costmodel._stepwork import work_from_prediction, work_from_report
 from sharding.costmodel._traffic import Traffic
+from sharding.costmodel._zero import UPDATED_WEIGHTS
 
 __all__ = [
     "ACCURACY_FILE",
@@ -88,6 +89,7 @@ __all__ = [
     "REASSOCIATED",
     "SCATTERED",
     "SEQUENCE_STRATEGIES",
+    "UPDATED_WEIGHTS",
     "Accuracy",
     "Check",
     "CollectiveTime",

@@ -21,6 +21,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from sharding._mesh import BATCH_AXES
+from sharding.costmodel._zero import UPDATED_WEIGHTS
 
 if TYPE_CHECKING:  # _layouts imports _predict, which prices accumulation here
     from sharding.costmodel._layouts import Layout
@@ -91,7 +92,8 @@ def accumulated(micro: Any, k: int) -> Any:
     tiny, accum 1, 2, 4: dp's gradient all-reduce k-fold to the byte, fsdp's layer gathers k
     times the closed form's), so collectives and FLOPs are k times one micro-step's; only the
     gathers of weights outside the layer stack (`HOISTED`), the same in every micro-step, are
-    hoisted out of the loop and run once. Memory: one micro-step's activations and working set,
+    hoisted out of the loop and run once, as zero1's gathers of the updated weights, which follow
+    the update once per step. Memory: one micro-step's activations and working set,
     the whole batch's token ids, and the float32 gradient sum beside one micro-step's
     gradients.
     """
@@ -101,7 +103,7 @@ def accumulated(micro: Any, k: int) -> Any:
         accum=k,
         traffic=[
             t
-            if t.kind == "all-gather" and t.what in HOISTED
+            if t.kind == "all-gather" and (t.what in HOISTED or t.what == UPDATED_WEIGHTS)
             else dataclasses.replace(t, bytes=t.bytes * k, count=t.count * k)
             for t in micro.traffic
         ],

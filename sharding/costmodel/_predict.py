@@ -341,11 +341,12 @@ def predict(
         remat=remat,
         pipeline=pipe,
         traffic=(split_pipeline_traffic(s) if splits_inside_stages(s) else traffic(s))
-        + updated_weight_gathers(s),
+        + (updated_weight_gathers(s) if moments else []),
         n_params=s.n_params,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
-        optimizer_bytes=round(moments * param_bytes * optimizer_share(s)) + (4 if moments else 0),
+        optimizer_bytes=round(moments * param_bytes * (optimizer_share(s) if moments else 1))
+        + (4 if moments else 0),
         batch_bytes=2 * rows * seq * 4,
         activation_bytes=int(activations),
         working_bytes=int(transient + gathered + logits),

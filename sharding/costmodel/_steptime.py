@@ -48,8 +48,7 @@ OVERLAP = 0.8
 MEMORY_FRACTION = 0.9
 OVERLAP_AXES = frozenset({"data", "fsdp"})  # their reductions and gathers overlap compute
 RINGS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})  # over rails across nodes
-# Rules of what follows a loop (the tick scan, the accumulation loop) or the update (zero1's
-# weight gathers): exposed, unless the program buckets them (`StepWork.reduction_overlap`).
+# What follows a loop (tick scan, accumulation) or the update (zero1): exposed unless bucketed.
 AFTER_LOOPS = frozenset(
     {
         "exposed: after the tick scan",
@@ -220,7 +219,7 @@ def _overlap_rule(c: CollectiveWork, pipelined: bool, tensor_overlap: bool = Fal
         return "exposed: pipeline transfer between ticks"  # the shifts, and their gathers
     if "tensor" in axes:
         return "tensor" if tensor_overlap else "exposed: tensor-parallel, inside the layers"
-    if c.kind == "all-gather" and (UPDATED_WEIGHTS in c.what or c.axes == ("data",)):  # zero1's
+    if c.kind == "all-gather" and UPDATED_WEIGHTS in c.what:  # zero1's
         return "exposed: after the optimizer update"
     if axes <= OVERLAP_AXES and c.kind == "all-gather":
         return "gather"
@@ -346,13 +345,14 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
            "nothing to hide behind, and XLA's latency-hiding scheduler is not perfect"
            if overlap == OVERLAP else "as given") + "): "
         f"gradient reductions over data/fsdp hide behind the backward ({backward:.0%} "
-        f"of the matmul time, remat {work.remat}) up to {overlap:.0%} of it; fsdp/data weight "
+        f"of the matmul time, remat {work.remat}) up to {overlap:.0%} of it; fsdp weight "
         f"all-gathers are prefetched behind what the reductions leave of {overlap:.0%} of the "
         f"matmul time; " + ("tensor-parallel collectives overlap the matmuls they feed "
         f"(collective matmuls) up to {overlap:.0%} of the matmul time; pipeline permutes are "
         f"exposed" if work.tensor_overlap else "tensor-parallel collectives (inside each layer) "
-        "and pipeline permutes are exposed") + "; zero1's updated weights are gathered after the "
-        "optimizer update, exposed" + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
+        "and pipeline permutes are exposed") + ("; zero1's updated weights are gathered after "
+        "the optimizer update" + ("" if work.reduction_overlap else ", exposed") if any(
+            UPDATED_WEIGHTS in c.what for c in work.collectives) else "") + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
                       "exposed." if work.schedule and not work.reduction_overlap else ".")
         + " On a GPU this overlap needs XLA's latency-hiding scheduler and pipelined "
           "collectives: spmdkit gives every GPU compile "
