@@ -3,11 +3,12 @@
 A strategy is a set of parts, each a block of the axis map (`partition_rules.strategies`) and the
 mesh axis it splits over: ``dp`` (the batch over ``data``; a ``data`` axis always carries the
 batch, so ``dp`` may be left out), ``zero1`` (the optimizer state over ``data`` on top of each
-parameter's layout: ZeRO-1, Megatron's distributed optimizer), ``fsdp`` (ZeRO-3 over ``fsdp``), ``ep`` (experts over
-``expert``), ``tp`` (Megatron over ``tensor``), ``sp`` (Megatron sequence parallelism: the sequence
-over ``tensor`` between tp's matmuls, so only with tp), ``cp`` (the sequence over ``context``) and
-``pp`` (the layer stack's stages over ``stage``). The mesh's axis sizes say how far each goes.
-Today's names (``pp_tp_sp``, ``fsdp_tp``, ...) are aliases of compositions, in one table.
+parameter's layout: ZeRO-1, Megatron's distributed optimizer), ``fsdp`` (ZeRO-3 over ``fsdp``),
+``ep`` (experts over ``expert``), ``tp`` (Megatron over ``tensor``), ``sp`` (Megatron sequence
+parallelism: the sequence over ``tensor`` between tp's matmuls, so only with tp), ``cp`` (the
+sequence over ``context``) and ``pp`` (the layer stack's stages over ``stage``). The mesh's
+axis sizes say how far each goes. Today's names (``pp_tp_sp``, ``fsdp_tp``, ...) are aliases
+of compositions, in one table.
 
 Example:
     >>> c = composition("tp+fsdp+pp")
@@ -155,7 +156,8 @@ def composition(strategy: str) -> Composition:
 
     Raises:
         CompositionError: an unknown name or part, a part written twice, ``sp`` without
-            ``tp``, ``zero1`` with ``fsdp``, or not a string (the message lists the parts and the names).
+            ``tp``, ``zero1`` with ``fsdp``, or not a string (the message lists the parts and
+            the names).
     """
     if not isinstance(strategy, str):
         raise CompositionError(f"strategy {strategy!r} is not a name; {_known()}")

@@ -20,6 +20,7 @@ from sharding._checks import check_mesh, check_rules
 from sharding._init import abstract_params as abstract_params_of
 from sharding._mesh import MeshSpec
 from sharding._resolve import Placement, place
+from sharding._shardings import optimizer_axes, optimizer_split_dim
 from sharding._units import fmt_bytes, fmt_count
 
 # Adam/AdamW keep two float32 moments per parameter, sharded like the parameter (and over data
@@ -46,9 +47,9 @@ class Explanation:
         n_params = sum(math.prod(r.shape) for r in self.rows)
         params = sum(r.bytes_per_device for r in self.rows)
         n = math.prod(self.mesh.get(a, 1) for a in self.optimizer)
-        optimizer = ADAM_MOMENTS * OPT_STATE_ITEMSIZE * sum(  # zero1: an array some dim n divides
-            math.prod(r.per_device_shape) // (n if any(d % n == 0 for d in r.per_device_shape)
-                                              else 1) for r in self.rows)  # fmt: skip
+        optimizer = ADAM_MOMENTS * OPT_STATE_ITEMSIZE * sum(
+            math.prod(r.per_device_shape) // (1 if optimizer_split_dim(r.per_device_shape, n) is
+                                              None else n) for r in self.rows)  # fmt: skip
         total = sum(r.bytes_total for r in self.rows)
         return {
             "parameters": n_params,
@@ -188,8 +189,8 @@ def explain(
     check_rules("explain", rules, axis_map)
     check_mesh("explain", mesh, spec_ok=True)
     p = place(rules, axis_map, abstract_params, mesh)
-    sequence, optimizer = (() if axis_map.is_identity or k not in axis_map else
-                           axis_map.mesh_axes(k) for k in ("sequence", "optimizer"))  # fmt: skip
-    optimizer = tuple(a for a in optimizer if p.sizes.get(a, 1) > 1)  # zero1 on data=1: none
+    sequence = () if axis_map.is_identity or "sequence" not in axis_map else (
+        axis_map.mesh_axes("sequence"))  # fmt: skip
+    optimizer = optimizer_axes(axis_map, p.sizes)
     return Explanation(mesh=p.sizes, rows=p.placements, unused_rules=p.unused_rules, title=title,
                        sequence=sequence, optimizer=optimizer)  # fmt: skip

@@ -76,7 +76,9 @@ class StepLayout:
             check_no_stage_split(shardings, mesh)
         replicated = jshard.NamedSharding(mesh, jshard.PartitionSpec())
         like = shardings_like_params(opt_state, params, shardings, mesh)
-        opt, whole = split_optimizer(opt_state, like, optimizer_axes(axis_map, mesh), mesh)
+        opt, whole = split_optimizer(
+            opt_state, like, optimizer_axes(axis_map, dict(mesh.shape)), mesh
+        )
         state = {"params": shardings, "opt_state": opt, "step": replicated}
         sequence.bind(params, shardings, stack)
         return cls(mesh, shardings, state, sequence, staging, unused, whole)

@@ -207,31 +207,48 @@ def shardings_like_params(tree: Any, params: Any, param_shardings: Any, mesh: js
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
-def optimizer_axes(axis_map: Any, mesh: jshard.Mesh) -> tuple[str, ...]:
+def optimizer_axes(axis_map: Any, sizes: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes of size > 1 the strategy splits the optimizer state over on top of its
     parameters' layouts (its ``"optimizer"`` entry: zero1's ``data``); () for none."""
     if getattr(axis_map, "is_identity", False) or "optimizer" not in axis_map:
         return ()
-    entry = axis_map["optimizer"]
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    return tuple(a for a in axes if dict(mesh.shape).get(a, 1) > 1)
+    return tuple(a for a in axis_map.mesh_axes("optimizer") if sizes.get(a, 1) > 1)
+
+
+def optimizer_split_dim(local: tuple[int, ...], n: int) -> int | None:
+    """The dimension of an array, ``local`` per device under its parameter's layout, that zero1
+    splits ``n`` ways: the largest that ``n`` divides (the first of equals); None: kept whole.
+    The program (`split_optimizer`), the closed form and `explain` all split by it."""
+    fits = [i for i, d in enumerate(local) if d % n == 0]
+    return max(fits, key=lambda k: (local[k], -k)) if fits else None
+
+
+def unsplittable(axes: tuple[str, ...], n: int, path: str, local: tuple[int, ...]) -> Exception:
+    """The refusal of a zero1 that splits no array (``path`` one of them, ``local`` its shape)."""
+    return OptimizerSplitError(
+        f"zero1 splits the optimizer state over {'x'.join(axes)}={n}, and {n} divides no "
+        f"dimension of any of its arrays (e.g. {path}, {list(local)} per device under its "
+        f"parameter's layout); use a mesh whose {'x'.join(axes)} size divides one of "
+        f"{sorted(set(local))}, or drop zero1 from the strategy"
+    )
 
 
 def split_optimizer(
     tree: Any, shardings: Any, axes: tuple[str, ...], mesh: jshard.Mesh
 ) -> tuple[Any, list[str]]:
     """Optimizer-state ``shardings`` further split over ``axes`` (ZeRO-1), and the paths of the
-    arrays kept whole over them. Each array leaf of ``tree`` takes the axes on its largest
-    dimension whose per-device length they divide, after the axes its parameter's layout
-    already puts there; scalars (step counts) stay whole, and so does an array none of whose
-    dimensions they divide (a bias of 16 under data=48: listed, `TrainProgram.report` says so).
+    arrays kept whole over them. Each array leaf of ``tree`` takes the axes on the dimension
+    `optimizer_split_dim` picks, after the axes its parameter's layout already puts there;
+    scalars (step counts) stay whole, and so does an array none of whose dimensions they divide
+    (a bias of 16 under data=48: listed, `TrainProgram.report` says so).
 
     Raises:
-        OptimizerSplitError: no array could be split (the axes divide no dimension of any).
+        OptimizerSplitError: no array could be split, or a parameter's layout uses the axes.
     """
     if not axes:
         return shardings, []
-    n = math.prod(dict(mesh.shape)[a] for a in axes)
+    sizes = dict(mesh.shape)
+    n = math.prod(sizes[a] for a in axes)
     whole: list[tuple[str, tuple[int, ...]]] = []
 
     def entry(e: Any) -> tuple[str, ...]:
@@ -249,13 +266,12 @@ def split_optimizer(
                 f"{taken[0]} already; split the optimizer state over another mesh axis (zero1: "
                 f"data), or drop {taken[0]} from the rules' axis map"
             )
-        local = [d // math.prod(dict(mesh.shape)[a] for a in entry(e))
-                 for d, e in zip(leaf.shape, spec, strict=True)]  # fmt: skip
-        fits = [i for i, d in enumerate(local) if d % n == 0]
-        if not fits:
-            whole.append((path_str(key_path), tuple(local)))
+        local = tuple(d // math.prod(sizes[a] for a in entry(e))
+                      for d, e in zip(leaf.shape, spec, strict=True))  # fmt: skip
+        i = optimizer_split_dim(local, n)
+        if i is None:
+            whole.append((path_str(key_path), local))
             return s
-        i = max(fits, key=lambda k: (local[k], -k))
         merged = entry(spec[i]) + axes
         spec[i] = merged[0] if len(merged) == 1 else merged
         return jshard.NamedSharding(mesh, jshard.PartitionSpec(*spec))
@@ -263,11 +279,5 @@ def split_optimizer(
     out = jax.tree_util.tree_map_with_path(split, tree, shardings)
     arrays = [x for x in jax.tree.leaves(tree) if getattr(x, "shape", ())]
     if arrays and len(whole) == len(arrays):
-        path, local = whole[0]
-        raise OptimizerSplitError(
-            f"zero1 splits the optimizer state over {'x'.join(axes)}={n}, and {n} divides no "
-            f"dimension of any of its arrays (e.g. {path}, {list(local)} per device under its "
-            f"parameter's layout); use a mesh whose {'x'.join(axes)} size divides one of "
-            f"{sorted(set(local))}, or drop zero1 from the strategy"
-        )
+        raise unsplittable(axes, n, *whole[0])
     return out, [p for p, _ in whole]

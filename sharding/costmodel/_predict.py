@@ -32,7 +32,7 @@ from sharding.costmodel._elementwise import elementwise_bytes
 from sharding.costmodel._pipesplits import split_pipeline_traffic, splits_inside_stages
 from sharding.costmodel._setup import LM_FAMILIES, CostModelError, Setup, setup
 from sharding.costmodel._traffic import Traffic, traffic
-from sharding.costmodel._zero import optimizer_share, updated_weight_gathers
+from sharding.costmodel._zero import optimizer_share, split_params, updated_weight_gathers
 from sharding.inspection import COLLECTIVE_KINDS
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}  # float32 moments per parameter
@@ -275,6 +275,7 @@ def predict(
     # float32 master weights, one shard per device
     param_bytes = sum(q.nbytes // math.prod(sz[a] for a in q.axes) for q in s.params)
     moments = OPTIMIZER_MOMENTS[optimizer]
+    zero1 = split_params(s) if moments else []  # no state to split: nothing to gather
     layer_act = _layer_activations(s, rows * seq)
     p = sz["stage"]
 
@@ -341,11 +342,11 @@ def predict(
         remat=remat,
         pipeline=pipe,
         traffic=(split_pipeline_traffic(s) if splits_inside_stages(s) else traffic(s))
-        + (updated_weight_gathers(s) if moments else []),
+        + updated_weight_gathers(s, zero1),
         n_params=s.n_params,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
-        optimizer_bytes=round(moments * param_bytes * (optimizer_share(s) if moments else 1))
+        optimizer_bytes=round(moments * param_bytes * optimizer_share(s, zero1))
         + (4 if moments else 0),
         batch_bytes=2 * rows * seq * 4,
         activation_bytes=int(activations),

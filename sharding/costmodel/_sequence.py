@@ -86,8 +86,8 @@ def input_gradients(out: Any, s: Any, count: int, act: float,
     """Add ``count`` layers' column-parallel input-gradient all-reduces (one per column kernel,
     each of ``act`` bytes) to ``out``: one per module the kernels sit in (attn's q, k, v read
     one input), and the rest, which XLA for GPU sums into those, as `REASSOCIATED`."""
-    col = len(column_kernels(s.params))
-    kept = min(col, len({q.path.rsplit("/", 2)[0] for q in column_kernels(s.params)}))
+    kernels = column_kernels(s.params)
+    col, kept = len(kernels), len({q.path.rsplit("/", 2)[0] for q in kernels})
     out.add("all-reduce", ("tensor",), count * kept * act, count * kept, what)
     out.add("all-reduce", ("tensor",), count * (col - kept) * act, count * (col - kept),
             REASSOCIATED)  # fmt: skip

@@ -75,10 +75,11 @@ def _suggested(name: str, n: int) -> list[str]:
         return table[name]
     # Any other composition: 2 on every axis it splits, the rest of the devices over data (which
     # zero1 needs > 1: it splits the optimizer state over it).
-    needs = sorted(splits(name)[1] - {"data"}, key=AXES.index)
+    split = splits(name)[1]
+    needs = sorted(split - {"data"}, key=AXES.index)
     k = 2 ** len(needs)
     data = n // k if n % k == 0 else 0
-    if not data or (data < 2 and "data" in splits(name)[1]):
+    if not data or (data < 2 and "data" in split):
         return []
     return [",".join([*(f"{a}=2" for a in needs), f"data={data}"])]
 

@@ -49,13 +49,8 @@ MEMORY_FRACTION = 0.9
 OVERLAP_AXES = frozenset({"data", "fsdp"})  # their reductions and gathers overlap compute
 RINGS = frozenset({"all-reduce", "all-gather", "reduce-scatter"})  # over rails across nodes
 # What follows a loop (tick scan, accumulation) or the update (zero1): exposed unless bucketed.
-AFTER_LOOPS = frozenset(
-    {
-        "exposed: after the tick scan",
-        "exposed: after the accumulation loop",
-        "exposed: after the optimizer update",
-    }
-)
+AFTER_LOOPS = frozenset({"exposed: after the tick scan", "exposed: after the accumulation loop",
+                         "exposed: after the optimizer update"})  # fmt: skip
 BACKWARD_SHARE = {"none": 2 / 3, "dots": 2 / 3, "full": 3 / 4}  # of the matmul time, by remat
 _HOPS = {"all-reduce": lambda n: 2 * (n - 1), "all-gather": lambda n: n - 1,
          "reduce-scatter": lambda n: n - 1, "all-to-all": lambda n: n - 1,
@@ -350,9 +345,7 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
         f"matmul time; " + ("tensor-parallel collectives overlap the matmuls they feed "
         f"(collective matmuls) up to {overlap:.0%} of the matmul time; pipeline permutes are "
         f"exposed" if work.tensor_overlap else "tensor-parallel collectives (inside each layer) "
-        "and pipeline permutes are exposed") + ("; zero1's updated weights are gathered after "
-        "the optimizer update" + ("" if work.reduction_overlap else ", exposed") if any(
-            UPDATED_WEIGHTS in c.what for c in work.collectives) else "") + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
+        "and pipeline permutes are exposed") + ("; in a pipeline the gradient reductions follow the tick scan, so they are "
                       "exposed." if work.schedule and not work.reduction_overlap else ".")
         + " On a GPU this overlap needs XLA's latency-hiding scheduler and pipelined "
           "collectives: spmdkit gives every GPU compile "
@@ -375,6 +368,9 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
             + ("behind the last micro-batch (above); " if work.reduction_overlap else "exposed; ")
             + "fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
             "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
+    if any(UPDATED_WEIGHTS in c.what for c in work.collectives):
+        out.append("zero1's updated weights are gathered after the optimizer update: " + (
+            "behind one micro-batch (above)." if work.reduction_overlap else "exposed."))  # fmt: skip
     out += pass_sentences(work.collectives, d.platform)
     if work.schedule:
         out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "

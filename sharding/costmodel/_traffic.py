@@ -51,6 +51,7 @@ class Param:
     axes: frozenset[str]  # mesh axes of size > 1 that split it
     nbytes: int  # whole parameter, float32
     role: str  # layer | table | positions | head | vector | other
+    local: tuple[int, ...] = ()  # its shape on one device (the placement's)
 
     @property
     def size(self) -> int:
@@ -81,7 +82,8 @@ def classify(placements: list, sizes: dict[str, int]) -> list[Param]:
             role = "vector"
         else:
             role = "other"
-        params.append(Param(pl.path, tuple(pl.shape), logical, axes, pl.bytes_total, role))
+        params.append(Param(pl.path, tuple(pl.shape), logical, axes, pl.bytes_total, role,
+                            tuple(pl.per_device_shape)))  # fmt: skip
     return params
 
 
