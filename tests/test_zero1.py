@@ -245,3 +245,38 @@ def test_an_optimizer_axis_the_parameters_already_use_is_refused():
         compile_train_step(lambda rngs: models.llama.Model(cfg(), rngs=rngs), models.llama.loss,
                            optax.adamw(1e-3), work.rules, axis_map, make_mesh("fsdp=8"),
                            models.llama.batch_shapes(cfg(), BATCH, SEQ), stack="layers")  # fmt: skip
+
+
+def test_a_compiled_zero1_keeps_whole_the_arrays_data_cannot_split():
+    # d_model 36: the norms' scales ([36] and [4, 36] per device) have no dimension data=8
+    # divides, so their moments stay whole and their weights are not gathered; the other nine
+    # arrays split. The program still trains as dp does, and says which arrays it kept whole.
+    narrow = models.llama.config("tiny", n_layers=LAYERS, d_model=36, n_heads=6, n_kv_heads=2)
+    work = Workload.from_family(models.llama, narrow)
+    prog = build_program(work, "zero1", "data=8", batch=BATCH, seq=SEQ)
+    norms = ("final_norm/scale", "layers/attn_norm/scale", "layers/mlp_norm/scale")
+    assert sorted(p.split("/", 2)[2] for p in prog.optimizer_whole) == sorted(norms * 2)
+    assert {p.split("/")[1] for p in prog.optimizer_whole} == {"mu", "nu"}
+    kept = prog.report().extra["optimizer state kept whole over data (zero1: no dimension divides)"]
+    assert kept == ", ".join(prog.optimizer_whole)
+
+    got, opt_state = trained(prog)
+    want, _ = trained(build_program(work, "dp", "data=8", batch=BATCH, seq=SEQ))
+    assert_close(got, want)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
+        axes = {a for e in leaf.sharding.spec for a in ((e,) if isinstance(e, str) else e or ())}
+        whole = leaf.ndim == 0 or jax.tree_util.keystr(path).split("'")[-2] == "scale"
+        assert ("data" in axes) != whole, (jax.tree_util.keystr(path), leaf.sharding.spec)
+
+    gathers = [c for c in prog.report().collectives
+               if c.kind == "all-gather" and c.axes == ("data",)]  # fmt: skip
+    pred = predict(models.llama, narrow, "zero1", {"data": 8}, BATCH, SEQ)
+    dp = predict(models.llama, narrow, "dp", {"data": 8}, BATCH, SEQ)
+    modelled = [t.bytes for t in pred.traffic if t.kind == "all-gather"]
+    assert sum(c.multiplicity for c in gathers) == len(modelled) == 9
+    assert sum(c.bytes * c.multiplicity for c in gathers) == sum(modelled)
+    state = prog.init(seed=0)["opt_state"]
+    assert pred.optimizer_bytes == sum(
+        x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state)
+    )
+    assert dp.optimizer_bytes - pred.optimizer_bytes == sum(2 * (b - b // 8) for b in modelled)
