@@ -16,6 +16,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from closeness import assert_close
 from jax import sharding as jshard
 
 import models
@@ -138,6 +139,11 @@ def test_resume_under_zero1_splits_the_restored_optimizer_state(reference, tmp_p
     assert list(resumed) == [6, 7, 8, 9, 10]
     np.testing.assert_allclose(list(resumed.values()), [reference[1][s] for s in resumed],
                                rtol=1e-5)  # fmt: skip
+    # Step 10's weights and Adam moments, saved from their zero1 layout, are fsdp's own.
+    want, _ = load(reference[0], 10)
+    got, meta = load(ck_dir, 10)
+    assert meta.strategy == "zero1" and got.keys() == want.keys() and len(want) > 30
+    assert_close(got, want)
 
 
 def test_resume_under_pipeline_on_another_split(reference, tmp_path, capsys):
