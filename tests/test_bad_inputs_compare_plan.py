@@ -18,7 +18,11 @@ ROWS = [
     ("compare --warmup 2", r"--warmup: renamed: use --warmup-steps 2"),
     ("compare --batch 0", r"--batch: 0 must be >= 1"),
     ("compare --seq 0", r"--seq: 0 must be >= 1"),
-    ("compare --seq 8192", r"--seq 8192: llama tiny holds at most 4096 positions; use --seq 4096"),
+    (
+        "compare --seq 8192",
+        r"--seq 8192: llama tiny holds at most 4096 positions; use --seq 4096 or less, or a "
+        r"--size that holds 8192: 1b, 8b, 8b-128k, 3-8b, 3-70b, 3.1-405b$",
+    ),
     ("compare --memory 80i", r"--memory '80i': cannot read '80i' as a size.*'80GB'"),
     ("compare --memory 0", r"--memory '0': give the memory per device.*--memory 80GB"),
     ("compare --micro-batch 2 --accum 2", r"--micro-batch 2: .*not with --accum 2"),
@@ -65,6 +69,16 @@ ROWS = [
     ("plan --batch 0", r"--batch: 0 must be >= 1"),
     ("plan --seq 0", r"--seq: 0 must be >= 1"),
     ("plan --seq 99999", r"--seq 99999: llama 7b holds at most 4096 positions; use --seq 4096"),
+    (
+        "plan --size 70b --seq 8192",
+        r"--seq 8192: llama 70b holds at most 4096 positions; use --seq 4096 or less, or --size "
+        r"3-70b \(same layers and width; holds 8192\)$",
+    ),
+    (
+        "plan --model gpt2 --size 124m --seq 4096",
+        r"holds at most 1024 positions; use --seq 1024 "
+        r"or less$",
+    ),
     ("plan --aot -1", r"--aot: -1 must be >= 0"),
     ("plan --size 13b", r"--size '13b': unknown llama size; sizes: tiny, maxtext-tiny, 1b, 7b"),
     ("plan --model gpt2 --size 7b", r"--size '7b': unknown gpt2 size; sizes: tiny, 124m"),

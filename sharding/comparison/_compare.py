@@ -370,12 +370,9 @@ def _check(work: Workload, batch, seq, timed_steps, warmup_steps) -> int | None:
     for flag, value, low in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise CompareArgumentError(f"{flag} {value!r}: give a whole number >= {low}")
-    limit = getattr(work.config, "max_seq_len", None)
-    if sequences and limit is not None and seq > limit:
-        raise CompareArgumentError(
-            f"--seq {seq}: {' '.join(_names(work))} holds at most {limit} positions; use --seq "
-            f"{limit} or less"
-        )
+    too_long = work.seq_refusal(seq) if sequences else None
+    if too_long:
+        raise CompareArgumentError(too_long)
     return seq
 
 

@@ -150,11 +150,9 @@ ATTENTION_NOTE = {
 def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, kind,
                  pins=(None, None)):  # fmt: skip
     family, cfg = work.family, work.config
-    if seq is not None and seq > cfg.max_seq_len:
-        raise PlanError(
-            f"--seq {seq}: {family.NAME} {cfg.name} holds at most {cfg.max_seq_len} positions; "
-            f"use --seq {cfg.max_seq_len} or less"
-        )
+    too_long = None if seq is None else work.seq_refusal(seq)
+    if too_long:
+        raise PlanError(too_long)
     seq = seq or min(4096, cfg.max_seq_len)
     aot = aot if aot is not None else (2 if tgt.devices <= MAX_AOT_DEVICES else 0)
     have = devices_here(tgt.devices) if aot and tgt.devices <= MAX_AOT_DEVICES else None
