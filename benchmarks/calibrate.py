@@ -6,10 +6,14 @@
     cut to 4 layers) on one device, timed, beside `step_time`'s prediction for that compiled
     program on a 1-device target of the device: with the shipped profile (its default fraction)
     and with the calibrated one. ``implied`` is the fraction that would predict the step exactly.
+(c) Training-shaped GEMMs (--gemms, default `benchmarks._gemms.grid`: the MLP's column- and
+    row-parallel matmuls of widths 2048-8192 split 1-8 ways over tensor): each one's fraction of
+    the peak and of (a)'s best, the measurement a shape-dependent matmul term needs; a PNG.
 
 Writes ``calibrate.toml``, the profile with the measured fraction (``--fraction-from matmul``, or
 ``step`` for the median implied one), which `spmdkit plan --target calibrate.toml:1x8` reads;
-``calibrate.json`` with every figure predicted and measured; prints both tables. A CPU host runs
+``calibrate.json`` with every figure predicted and measured, ``calibrate_gemms.png``; prints the
+tables. A CPU host runs
 it tiny, for a smoke test only: the datasheet is then another device's, and the figures say so.
 
     python -m benchmarks.calibrate                          # on a GPU: its profile from the kind
@@ -23,6 +27,7 @@ import math
 import statistics
 from typing import Any
 
+from benchmarks import _gemms
 from benchmarks._common import median_time, out_dir, parser, setup, write_json
 
 # jax device_kind substrings -> shipped profile names (first match wins).
@@ -33,6 +38,9 @@ CHAIN = 8  # matmuls per timed call, so dispatch overhead does not count
 
 class CalibrateArgumentError(ValueError):
     """A --models entry or --target this benchmark cannot take."""
+
+
+GemmArgumentError = _gemms.GemmArgumentError  # a --gemms entry it cannot take
 
 
 def profile_for(kind: str, given: str | None) -> tuple[Any, str]:
@@ -167,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                    "4096,8192,16384 on an accelerator, 256,512 on CPU)")  # fmt: skip
     p.add_argument("--models", help="llama SIZE or SIZE:LAYERS, comma list (when unset: "
                    "1b,8b:4 on an accelerator, tiny on CPU)")  # fmt: skip
+    p.add_argument("--gemms", help="MxKxN shapes to time, comma list, or none (when unset: "
+                   "training-shaped ones, benchmarks._gemms.grid)")  # fmt: skip
     p.add_argument("--batch", type=int, default=4, help="global batch (default: %(default)s)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default: %(default)s)")
     p.add_argument("--remat", default="full", choices=("none", "full", "dots"),
@@ -192,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     spec, why = profile_for(device.device_kind, args.target)
     sizes = [int(n) for n in (args.matmul or ("256,512" if cpu else "4096,8192,16384")).split(",")]
     todo = parse_models(args.models or ("tiny" if cpu else "1b,8b:4"))
+    shapes = _gemms.grid(cpu) if args.gemms is None else _gemms.parse(args.gemms)
     peak = spec.peak(args.dtype)
     if cpu:
         console.print(f"[yellow]CPU host: timed against {spec.name}'s datasheet ({why}); a smoke "
@@ -201,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in mm:
         r["fraction"] = r["flops_per_s"] / peak
     fraction = max(r["fraction"] for r in mm)
+    gemms = [_gemms.rate(shape, args.dtype, args.steps, device) for shape in shapes]
+    for r in gemms:
+        r["fraction"] = r["flops_per_s"] / peak
+        r["of_square"] = r["fraction"] / fraction
     limit = memory_limit(device, args.memory)
     rows = [step_row(size, layers, args, device, spec, limit, fraction) for size, layers in todo]
     implied = [r["implied_fraction"] for r in rows if r.get("implied_fraction")]
@@ -236,12 +251,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['calibrated_s'] * 1e3:.4g} ms ({r['calibrated_error']:+.0%})",
                   "-" if f is None else f"{f:.3g}", f"{r['measured_mfu']:.1%}")  # fmt: skip
     console.print(t)
-
     out = out_dir(args.out)
+    title = (f"(c) {args.dtype} GEMMs on one {device.device_kind} against {spec.name}'s peak and "
+             f"(a)'s best square ({fraction:.1%} of peak)")  # fmt: skip
+    if gemms:
+        console.print(_gemms.table(gemms, title))
+        _gemms.plot(gemms, out / "calibrate_gemms.png", title)
+
     (out / "calibrate.toml").write_text(calibrated.to_toml())
     record = {"benchmark": "calibrate", "args": vars(args), "profile": spec.to_dict(),
               "profile_source": why, "cpu_smoke": cpu, "matmul": mm, "matmul_fraction": fraction,
-              "steps": rows, "calibrated": calibrated.to_dict()}  # fmt: skip
+              "steps": rows, "gemms": gemms, "calibrated": calibrated.to_dict()}  # fmt: skip
     write_json(out / "calibrate.json", record)
     console.print(f"matmul_fraction {calibrated.matmul_fraction} ({args.fraction_from}); wrote "
                   f"{out / 'calibrate.toml'} (use --target {out / 'calibrate.toml'}:1x8) and "
