@@ -7,14 +7,15 @@
     program on a 1-device target of the device: with the shipped profile (its default fraction)
     and with the calibrated one. ``implied`` is the fraction that would predict the step exactly.
 (c) Training-shaped GEMMs (--gemms, default `benchmarks._gemms.grid`: the MLP's column- and
-    row-parallel matmuls of widths 2048-8192 split 1-8 ways over tensor): each one's fraction of
-    the peak and of (a)'s best, the measurement a shape-dependent matmul term needs; a PNG.
+    row-parallel matmuls of widths 2048-8192 split 1-8 ways over tensor) and (a)'s squares, each
+    timed alone: its fraction of the peak and of the best square, the measurement a
+    shape-dependent matmul term needs; a PNG.
 
 Writes ``calibrate.toml``, the profile with the measured fraction (``--fraction-from matmul``, or
 ``step`` for the median implied one), which `spmdkit plan --target calibrate.toml:1x8` reads;
-``calibrate.json`` with every figure predicted and measured, ``calibrate_gemms.png``; prints the
-tables. A CPU host runs
-it tiny, for a smoke test only: the datasheet is then another device's, and the figures say so.
+``calibrate.json`` with every figure predicted and measured, and ``calibrate_gemms.png``; prints
+the tables. A CPU host runs it tiny, for a smoke test only: the datasheet is then another
+device's, and the figures say so.
 
     python -m benchmarks.calibrate                          # on a GPU: its profile from the kind
     python -m benchmarks.calibrate --target h100 --matmul 128 --models tiny --batch 2 --seq 16
@@ -212,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in mm:
         r["fraction"] = r["flops_per_s"] / peak
     fraction = max(r["fraction"] for r in mm)
-    gemms = [_gemms.rate(shape, args.dtype, args.steps, device) for shape in shapes]
+    gemms = [_gemms.rate(shape, args.dtype, args.steps, device)
+             for shape in (_gemms.squares(sizes) + shapes if shapes else [])]  # fmt: skip
     for r in gemms:
         r["fraction"] = r["flops_per_s"] / peak
-        r["of_square"] = r["fraction"] / fraction
+    best = max((r["fraction"] for r in gemms if r["what"].startswith("square")), default=1.0)
+    for r in gemms:
+        r["of_square"] = r["fraction"] / best
     limit = memory_limit(device, args.memory)
     rows = [step_row(size, layers, args, device, spec, limit, fraction) for size, layers in todo]
     implied = [r["implied_fraction"] for r in rows if r.get("implied_fraction")]
@@ -253,10 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     console.print(t)
     out = out_dir(args.out)
     title = (f"(c) {args.dtype} GEMMs on one {device.device_kind} against {spec.name}'s peak and "
-             f"(a)'s best square ({fraction:.1%} of peak)")  # fmt: skip
+             f"the best square timed the same way ({best:.1%} of peak)")  # fmt: skip
+    png = out / "calibrate_gemms.png"
+    png.unlink(missing_ok=True)  # an earlier run's, which --gemms none would leave behind
     if gemms:
         console.print(_gemms.table(gemms, title))
-        _gemms.plot(gemms, out / "calibrate_gemms.png", title)
+        _gemms.plot(gemms, png, title)
 
     (out / "calibrate.toml").write_text(calibrated.to_toml())
     record = {"benchmark": "calibrate", "args": vars(args), "profile": spec.to_dict(),
@@ -265,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "calibrate.json", record)
     console.print(f"matmul_fraction {calibrated.matmul_fraction} ({args.fraction_from}); wrote "
                   f"{out / 'calibrate.toml'} (use --target {out / 'calibrate.toml'}:1x8) and "
-                  f"{out / 'calibrate.json'}")  # fmt: skip
+                  f"{out / 'calibrate.json'}" + (f" and {png}" if gemms else ""))  # fmt: skip
     return 0
 
 

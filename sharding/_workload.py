@@ -150,16 +150,17 @@ class Workload:
 
     def seq_refusal(self, seq: int) -> str | None:
         """Why ``seq`` positions are more than the model holds (its config's ``max_seq_len``),
-        and what to change: a shorter --seq, or the family's sizes that hold them (those of the
-        same depth and width first: llama 70b -> 3-70b); None where they fit or nothing limits
-        them."""
+        and what to change: a shorter --seq, or a size of its family that holds them (only those
+        of the same depth and width where there are any: llama 70b -> 3-70b); None where they
+        fit or nothing limits them."""
         limit = getattr(self.config, "max_seq_len", None)
         if limit is None or seq <= limit:
             return None
-        name = self.name if self.family is None else f"{self.family.NAME} {self.config.name}"
+        name = self.name if self.family is None else (
+            f"{self.family.NAME} {getattr(self.config, 'name', self.name)}")  # fmt: skip
         text = f"--seq {seq}: {name} holds at most {limit} positions; use --seq {limit} or less"
-        sizes = getattr(self.family, "SIZES", {})
-        hold = [k for k, c in sizes.items() if getattr(c, "max_seq_len", 0) >= seq]
+        sizes = getattr(self.family, "SIZES", None) or {}
+        hold = [k for k, c in sizes.items() if (getattr(c, "max_seq_len", None) or 0) >= seq]
         same = [k for k in hold if all(getattr(sizes[k], a, None) == getattr(self.config, a, 0)
                                        for a in ("n_layers", "d_model"))]  # fmt: skip
         if same:

@@ -108,3 +108,20 @@ def test_refused(refused, tmp_path, args, match):
     for name in ("compare.json", "compare.png"):
         (tmp_path / "done" / name).write_text("an earlier comparison")
     refused(args.split(), match, subprocess_="h100:1x2" in args)
+
+
+def test_a_user_workload_too_short_for_seq_is_refused_by_its_own_name():
+    """A Workload of the user's own (no family): its name, its limit, no size to suggest."""
+    import dataclasses
+
+    import models
+    from sharding import Workload, compare
+    from sharding.comparison import CompareArgumentError
+
+    cfg = models.llama.config("tiny", n_layers=2)
+    mine = dataclasses.replace(Workload.from_family(models.llama, cfg), family=None, name="mine")
+    assert mine.seq_refusal(4096) is None
+    with pytest.raises(CompareArgumentError,
+                       match=r"^--seq 8192: mine holds at most 4096 positions; use --seq 4096 or "
+                             r"less$"):  # fmt: skip
+        compare(mine, seq=8192)

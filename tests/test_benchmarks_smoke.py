@@ -206,8 +206,7 @@ def test_calibrate_runs_tiny_on_cpu_and_writes_a_profile_plan_reads(tmp_path, ca
     from sharding.targets import PROFILES, load_profile
 
     argv = ["--devices", "8", "--target", "h100", "--matmul", "64", "--models", "tiny:2",
-            "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0", "--out", str(tmp_path),
-            "--gemms", "64x64x256,64x256x64"]  # fmt: skip
+            "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)]  # fmt: skip
     assert calibrate.main(argv) == 0
     out = capsys.readouterr().out
     assert "smoke test, not a calibration" in out and "llama tiny (2 layers)" in out
@@ -215,16 +214,23 @@ def test_calibrate_runs_tiny_on_cpu_and_writes_a_profile_plan_reads(tmp_path, ca
     [row] = record["steps"]
     assert row["fits"] and row["measured_s"] > 0 and row["predicted_s"] > 0
     assert row["calibrated_s"] > row["predicted_s"]  # a CPU is far below an H100's 60%
-    # (c): each GEMM timed, its FLOPs and intensity exact, its fractions of peak and of (a)'s best
-    square = record["matmul_fraction"]
-    assert [(g["m"], g["k"], g["n"]) for g in record["gemms"]] == [(64, 64, 256), (64, 256, 64)]
+    # (c): (a)'s square and the CPU grid (64 tokens, width 64, tensor 1 and 2, column and row),
+    # each timed, its FLOPs and intensity exact, its fractions of the peak and of the square
+    shapes = [(g["m"], g["k"], g["n"], g["what"]) for g in record["gemms"]]
+    assert shapes == [(64, 64, 64, "square n=64"), (64, 64, 256, "column d=64 tensor=1"),
+                      (64, 256, 64, "row d=64 tensor=1"), (64, 64, 128, "column d=64 tensor=2"),
+                      (64, 128, 64, "row d=64 tensor=2")]  # fmt: skip
     for g in record["gemms"]:
-        assert g["flops"] == 2 * 64 * 64 * 256 and g["intensity"] == g["flops"] / (2 * 36864)
+        m, k, n = g["m"], g["k"], g["n"]
+        assert g["flops"] == 2 * m * k * n and g["intensity"] == g["flops"] / (
+            2 * (m * k + k * n + m * n)
+        )
         assert g["seconds"] > 0 and g["fraction"] == pytest.approx(g["flops_per_s"] / 989.4e12)
-        assert g["of_square"] == pytest.approx(g["fraction"] / square)
+        assert g["of_square"] == pytest.approx(g["fraction"] / record["gemms"][0]["fraction"])
     assert (tmp_path / "calibrate_gemms.png").stat().st_size > 0 and "(c) bfloat16 GEMMs" in out
-    with pytest.raises(calibrate.GemmArgumentError, match=r"--gemms '64x32': write MxKxN"):
-        calibrate.main([*argv[:-1], "64x32"])
+    for bad in ("64x32", "", "64x0x8"):
+        with pytest.raises(calibrate.GemmArgumentError, match=rf"--gemms {bad!r}: write MxKxN"):
+            calibrate.main([*argv, "--gemms", bad])
     spec = load_profile(tmp_path / "calibrate.toml")
     assert spec.name == "h100-calibrated" and 0 < spec.matmul_fraction < 0.01
     assert spec.peak_bf16 == PROFILES["h100"].peak_bf16
