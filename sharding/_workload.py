@@ -159,9 +159,9 @@ class Workload:
         name = self.name if self.family is None else (
             f"{self.family.NAME} {getattr(self.config, 'name', self.name)}")  # fmt: skip
         text = f"--seq {seq}: {name} holds at most {limit} positions; use --seq {limit} or less"
-        sizes = getattr(self.family, "SIZES", None) or {}
-        hold = [k for k, c in sizes.items() if (getattr(c, "max_seq_len", None) or 0) >= seq]
-        same = [k for k in hold if all(getattr(sizes[k], a, None) == getattr(self.config, a, 0)
+        hold = sizes_with(self.family, "max_seq_len", seq)
+        same = [k for k in hold if all(getattr(self.family.SIZES[k], a, None)
+                                       == getattr(self.config, a, 0)
                                        for a in ("n_layers", "d_model"))]  # fmt: skip
         if same:
             return f"{text}, or --size {' or '.join(same)} (same layers and width; holds {seq})"
@@ -191,6 +191,14 @@ class Workload:
             family=family,
             config=cfg,
         )
+
+
+def sizes_with(family: Any, field: str, least: int) -> list[str]:
+    """The sizes of a shipped family (its ``SIZES``) whose config's ``field`` is at least
+    ``least`` (``max_seq_len``, ``vocab_size``), in the family's order; [] for none or no
+    family."""
+    sizes = getattr(family, "SIZES", None) or {}
+    return [k for k, c in sizes.items() if (getattr(c, field, None) or 0) >= least]
 
 
 _SIGNATURES = {

@@ -20,7 +20,7 @@ import jax
 from sharding._init import state_bytes
 from sharding._mesh import MeshSpec, make_mesh, mesh_text
 from sharding._recipe import build_program
-from sharding._workload import Workload
+from sharding._workload import Workload, sizes_with
 from sharding.training._checkpoint import Checkpointer
 from sharding.training._config import (
     InvalidSettingError,
@@ -64,9 +64,8 @@ def model_config(family: Any, size: str) -> Any:
 
 
 def _sizes_with(family: Any, field: str, least: int) -> str:
-    fits = [f"{n} ({getattr(c, field)})" for n, c in family.SIZES.items()
-            if getattr(c, field) >= least]  # fmt: skip
-    return ", ".join(fits) or "none"
+    fits = sizes_with(family, field, least)
+    return ", ".join(f"{n} ({getattr(family.SIZES[n], field)})" for n in fits) or "none"
 
 
 def _check_seq(family: Any, cfg: Any, seq: int) -> None:
