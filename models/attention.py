@@ -82,13 +82,17 @@ def xla_attention(q_BSNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> ja
 
 
 def _platform() -> str:
-    return jax.default_backend()
+    """The platform the program is traced for: the mesh in context's (a compile-only target's
+    devices, e.g. H100s on a CPU host, when the caller traces under the mesh), else this
+    host's backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def cudnn_problem(q, k) -> str | None:
     """Why cuDNN's flash kernel cannot take these shapes here (None when it can)."""
     if _platform() != "gpu":
-        return f"cuDNN attention runs on a GPU and this host's backend is {_platform()!r}"
+        return f"cuDNN attention runs on a GPU and the program is traced for {_platform()!r}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN flash attention takes bfloat16 or float16, not {q.dtype}"
     h = q.shape[-1]
@@ -165,11 +169,14 @@ def choose(kind: str, q, k) -> str:
     "auto": cuDNN on a GPU and splash on a TPU where they take the shapes; elsewhere blockwise,
     except where both sequences fit one block (`BLOCK`): there the blockwise kernel would hold
     the same one block of scores, and the reference computes it in one product, without a scan.
+    Inside a partially manual ``shard_map`` (a pipeline's stages) not cuDNN: jax's partitioning
+    rule for it fails there (jax 0.10.2: an assertion in ``custom_partitioning``).
     """
     check_kind(kind)
     if kind != "auto":
         return kind
-    if _platform() == "gpu" and cudnn_problem(q, k) is None:
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    if _platform() == "gpu" and not manual and cudnn_problem(q, k) is None:
         return "cudnn"
     if _platform() == "tpu" and q.shape[1] == k.shape[1] and q.shape[1] % 128 == 0 \
             and q.shape[-1] % 128 == 0:  # fmt: skip
@@ -192,7 +199,7 @@ def check_runs_here(kind: str) -> None:
     need = {"cudnn": "gpu", "splash": "tpu"}.get(kind)
     if need and _platform() != need:
         raise AttentionKernelError(
-            f"attention={kind!r} runs on a {need.upper()} and this host's backend is "
+            f"attention={kind!r} runs on a {need.upper()} and the program is traced for "
             f"{_platform()!r}; use --attention blockwise (any backend) or auto"
         )
 

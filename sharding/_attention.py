@@ -33,18 +33,23 @@ def check_kind(kind: str) -> str:
     return kind
 
 
-def runs_here(kind: str) -> bool:
-    """Whether this host's backend can run the kernel ``kind`` ("auto" always can)."""
+def runs_here(kind: str, platform: str | None = None) -> bool:
+    """Whether programs for ``platform`` (default: this host's backend; a compile-only
+    target's, "gpu" or "tpu") can hold the kernel ``kind`` ("auto" always can)."""
     check_kind(kind)
-    return _NEEDS.get(kind, jax.default_backend()) == jax.default_backend()
+    platform = platform or jax.default_backend()
+    return _NEEDS.get(kind, platform) == platform
 
 
-def check_runs_here(kind: str) -> str:
-    """Refuse, before anything compiles, a kernel this host's backend cannot run."""
-    if not runs_here(kind):
+def check_runs_here(kind: str, platform: str | None = None) -> str:
+    """Refuse, before anything compiles, a kernel the programs' platform cannot run (default:
+    this host's backend; the target's where its compiler compiles them)."""
+    platform = platform or jax.default_backend()
+    if not runs_here(kind, platform):
         raise AttentionChoiceError(
-            f"attention={kind!r} runs on a {_NEEDS[kind].upper()} and this host's backend is "
-            f"{jax.default_backend()!r}; use --attention blockwise (any backend) or auto"
+            f"attention={kind!r} runs on a {_NEEDS[kind].upper()} and the programs are compiled "
+            f"for {platform!r}; use --attention blockwise (any backend) or auto, or install "
+            f"the target's compiler (pip install 'spmdkit[{_NEEDS[kind]}]') to compile for it"
         )
     return kind
 
@@ -63,8 +68,9 @@ def live_fraction(s: int, block: int = BLOCK) -> float:
 
 
 def attention_kernels(
-    work: Any, kind: str | None, seq: int | None, context: int, seam: dict[str, Any]
-) -> dict[str, Any]:
+    work: Any, kind: str | None, seq: int | None, context: int, seam: dict[str, Any],
+    platform: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """``{"attention": kernel}`` substituting the model's attention with the ``kind`` asked for
     (``{}`` for None or "auto": the model's own default).
 
@@ -74,7 +80,7 @@ def attention_kernels(
     """
     if kind is None or check_kind(kind) == "auto":
         return {}
-    check_runs_here(kind)
+    check_runs_here(kind, platform)
     name = getattr(work, "name", "the model")
     if context > 1:
         raise AttentionChoiceError(

@@ -7,22 +7,38 @@ it first thing, before any JAX computation.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 
 from sharding._mesh import MeshSpec, MeshSpecError, simulate_cpu_devices
 
-_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
-                        "jax_rocm7_plugin", "libtpu")  # fmt: skip
+# Each plugin, and the device files its accelerators show on Linux (the NVIDIA driver's, AMD's
+# kernel fusion driver, a TPU VM's accel or VFIO devices).
+_NVIDIA, _AMD, _TPU = (
+    ("/dev/nvidiactl", "/dev/nvidia[0-9]*"),
+    ("/dev/kfd",),
+    ("/dev/accel*", "/dev/vfio/[0-9]*"),
+)
+_ACCELERATOR_PLUGINS = {
+    "jax_cuda12_plugin": _NVIDIA,
+    "jax_cuda13_plugin": _NVIDIA,
+    "jax_rocm60_plugin": _AMD,
+    "jax_rocm7_plugin": _AMD,
+    "libtpu": _TPU,
+}
 DEFAULT_CPU_DEVICES = 8
 
 
 def cpu_only() -> bool:
-    """True when JAX can only run on the CPU here (decided without initialising JAX)."""
+    """True when JAX can only run on the CPU here (decided without initialising JAX): JAX is
+    told so, or no accelerator plugin has its device here. A plugin alone (``jax[cuda12]``
+    installed to compile for GPUs on a CPU host) is not a device."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(p) for p in _ACCELERATOR_PLUGINS)
+    return not any(importlib.util.find_spec(p) and any(glob.glob(d) for d in nodes)
+                   for p, nodes in _ACCELERATOR_PLUGINS.items())  # fmt: skip
 
 
 def setup_devices(mesh: MeshSpec | str | None, devices: int | None = None) -> MeshSpec:

@@ -56,11 +56,14 @@ class TrainProgram:
 
     def lowered(self) -> Any:
         """The train step lowered from abstract shapes (`jax.stages.Lowered`: the program as
-        traced, before XLA partitions it); ``compiled`` compiles it."""
-        return self._step_fn.lower(
-            shard_abstract(self.abstract_state, self.state_shardings),
-            shard_abstract(self.batch_shapes, self.batch_shardings),
-        )
+        traced, before XLA partitions it); ``compiled`` compiles it. Traced under the mesh's
+        abstract mesh, which names the devices' platform: a model choosing a kernel by platform
+        (`models.attention`'s auto) chooses the target's, not this host's."""
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return self._step_fn.lower(
+                shard_abstract(self.abstract_state, self.state_shardings),
+                shard_abstract(self.batch_shapes, self.batch_shardings),
+            )
 
     @property
     def compiled(self) -> Any:
@@ -70,7 +73,10 @@ class TrainProgram:
             start = time.perf_counter()
             # The module as partitioned is kept for the collectives' true dtypes (XLA:CPU
             # widens bfloat16 ones to float32 after partitioning; `compile_partitioned`).
-            self._compiled, self._partitioned = compile_partitioned(self.lowered())
+            self._compiled, self._partitioned = compile_partitioned(
+                self.lowered(), self.mesh.devices.flat[0].platform,
+                unroll_loops=self.schedule is None,
+            )  # fmt: skip
             self.compile_time_s = time.perf_counter() - start
         return self._compiled
 

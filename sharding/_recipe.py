@@ -151,8 +151,10 @@ def build_program(
                                            None if pipeline is None else pipeline.schedule)  # fmt: skip
     asked = attention not in (None, "auto") and work.kernels is not None
     seam = seam_calls(work, seq or work.seq or 8) if asked else {}
-    kernels = {**attention_kernels(work, attention, seq or work.seq, context, seam),
-               **kernels, **expert_kernels(work, mesh)}  # fmt: skip
+    platform = mesh.devices.flat[0].platform  # a compile-only target's, not this host's
+    with jshard.use_abstract_mesh(mesh.abstract_mesh):  # the model's own check sees it too
+        chosen = attention_kernels(work, attention, seq or work.seq, context, seam, platform)
+    kernels = {**chosen, **kernels, **expert_kernels(work, mesh)}
     if auto and pipeline is not None:
         split = dict(mesh.shape).get("data", 1) * dict(mesh.shape).get("fsdp", 1)
         rows = max(batch // accum_steps // pipeline.microbatches // split, 1)

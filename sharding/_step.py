@@ -170,7 +170,8 @@ def compile_train_step(
         # cannot take is refused here, by name, not at the first step.
         micro = {k: jax.ShapeDtypeStruct((v.shape[0] // accum_steps, *v.shape[1:]), v.dtype)
                  for k, v in batch_shapes.items()}  # fmt: skip
-        jax.eval_shape(micro_loss, params, micro)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the devices' platform
+            jax.eval_shape(micro_loss, params, micro)
     return _program(layout, graphdef, params, opt_state, init, micro_loss, optimizer,
                     batch_shapes, accum_steps, schedule, pipeline, check_batch)  # fmt: skip
 

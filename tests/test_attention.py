@@ -175,8 +175,8 @@ def test_auto_is_blockwise_on_cpu_beyond_one_block():
 @pytest.mark.parametrize(
     ("kind", "match"),
     [
-        ("cudnn", r"attention='cudnn' runs on a GPU.*backend is 'cpu'.*blockwise"),
-        ("splash", r"attention='splash' runs on a TPU.*backend is 'cpu'.*blockwise"),
+        ("cudnn", r"attention='cudnn' runs on a GPU.*traced for 'cpu'.*blockwise"),
+        ("splash", r"attention='splash' runs on a TPU.*traced for 'cpu'.*blockwise"),
         ("flash", r"attention='flash' is not a kernel; choose one of \['auto', 'blockwise'"),
     ],
 )

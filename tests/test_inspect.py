@@ -211,7 +211,9 @@ def test_report_to_dict_and_rich(dp_grad):
         "generated_code",
         "peak",
         "widened",
+        "platform",
     }
+    assert data["memory"]["platform"] == "cpu"
     console = Console(file=io.StringIO(), width=160)
     console.print(dp_grad)
     text = console.file.getvalue()

@@ -77,6 +77,15 @@ def add_attention_arg(p: argparse.ArgumentParser, what: str) -> None:
                    "whole score matrix), cudnn, splash (when unset: the model's own)")  # fmt: skip
 
 
+def add_compiler_arg(p: argparse.ArgumentParser) -> None:
+    """--compiler: one meaning in compare and plan (`sharding.targets.compiler_for`)."""
+    p.add_argument("--compiler", choices=("auto", "target", "cpu"), default="auto",
+                   help="whose programs the figures come from: auto = the target's own compiler "
+                   "(XLA:GPU with spmdkit[gpu], libtpu with spmdkit[tpu]) on compile-only "
+                   "devices where installed, else XLA:CPU on simulated devices, saying so; "
+                   "target = the target's or an error; cpu = XLA:CPU (default: %(default)s)")  # fmt: skip
+
+
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pipeline (strategies pp, pp_tp, pp_fsdp)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (when unset: gpipe)")

@@ -1,10 +1,10 @@
 """`spmdkit compare`: which strategy for your model on your cluster.
 
-Every strategy and pipeline schedule is compiled for the target's device count (simulated on a
-CPU-only host, ahead of time from abstract shapes) and its step priced on the target from the
-compiled program: compute, exposed communication, bubble, memory per device. With no arguments:
-llama tiny on one node of 8 H100s, both dtypes; prints one ranked table and a recommendation,
-writes JSON and a PNG chart.
+Every strategy and pipeline schedule is compiled ahead of time by the target's own compiler
+where installed (XLA:GPU for compile-only H100s on a CPU-only host, with spmdkit[gpu]; else
+XLA:CPU on simulated devices, saying so), and its step priced on the target from the program:
+compute, exposed communication, bubble, memory per device. With no arguments: llama tiny on one
+node of 8 H100s, both dtypes; prints one ranked table and a recommendation, JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from sharding.cli.common import (
     add_attention_arg,
     add_command,
+    add_compiler_arg,
     add_model_args,
     console,
     non_negative_int,
@@ -37,11 +38,10 @@ class _Renamed(argparse.Action):
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "compare", help="which strategy for your model on your cluster (the main job)",
-                    doc=__doc__, examples=[
-                        "", "--target h100:4x8 --model llama --size 8b --batch 32 --seq 8192 "
-                        "--dtype bfloat16", "--strategies dp,fsdp --target a100:2x8",
-                        "--model cnn --strategies dp,dp_tp --out cnn-compare",
-                        "--model my_models.py:workload --target my_cluster.toml:2x8"])  # fmt: skip
+                    doc=__doc__, examples=["", "--target h100:4x8 --model llama --size 8b --batch "
+                        "32 --seq 8192 --dtype bfloat16", "--strategies dp,fsdp --target a100:2x8",
+                        "--model cnn --strategies dp,dp_tp --out cnn-compare", "--model "
+                        "my_models.py:workload --target my_cluster.toml:2x8"])  # fmt: skip
     add_model_args(p)
     p.add_argument("--target", default="h100:1x8",
                    help="the cluster to answer for: DEVICE[:NODESxPER_NODE] (h100, h200, b200, "
@@ -82,6 +82,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action=_Renamed,
         new="--target with a TOML device profile (peak_tflops_bf16 = {})",
     )
+    add_compiler_arg(p)
     p.add_argument("--out", type=Path, default=Path("compare-out"),
                    help="folder for compare.json and compare.png")  # fmt: skip
     p.add_argument("--overwrite", action="store_true",
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                 timed_steps=args.timed_steps, warmup_steps=args.warmup_steps,
                 strategies=args.strategies, mesh=args.mesh, memory_budget=args.memory,
                 on_progress=_Bars(bars), attention=args.attention, accum=args.accum,
-                micro_batch=args.micro_batch,
+                micro_batch=args.micro_batch, compiler=args.compiler,
             )  # fmt: skip
         except CompareError as e:  # show what was measured before the message
             if getattr(e, "comparison", None) is not None:

@@ -16,6 +16,7 @@ from partition_rules import STRATEGIES
 from sharding.cli.common import (
     add_attention_arg,
     add_command,
+    add_compiler_arg,
     add_model_args,
     console,
     non_negative_int,
@@ -80,6 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aot", type=non_negative_int,
                    help=f"compile this many top layouts for the target beside their formula "
                    f"(when unset: 2 when the target has at most {MAX_AOT_DEVICES} devices)")  # fmt: skip
+    add_compiler_arg(p)
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.add_argument("--devices", action=_Renamed, new=_devices_to_target)
     p.add_argument("--device-kind", action=_Renamed, new=_kind_to_target)
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         top=args.top,
         aot=args.aot,
+        compiler=args.compiler,
         attention=args.attention,
         accum=args.accum,
         micro_batch=args.micro_batch,

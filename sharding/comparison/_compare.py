@@ -22,8 +22,15 @@ from typing import Any
 from sharding._attention import check_runs_here
 from sharding._devices import cpu_only
 from sharding._mesh import BATCH_AXES, MeshSpec, simulate_cpu_devices
-from sharding._units import SizeFormatError, fmt_bytes, parse_bytes
+from sharding._units import fmt_bytes
 from sharding._workload import Workload
+from sharding.comparison._arguments import (
+    budget_bytes,
+    check_counts,
+    choices,
+    names,
+    workload_of,
+)
 from sharding.comparison._errors import (
     CompareArgumentError,
     CompareError,
@@ -38,13 +45,12 @@ from sharding.comparison._evaluate import (
 from sharding.comparison._result import Comparison, Skipped, check_output
 from sharding.comparison._verdict import recommend
 from sharding.costmodel import MEMORY_FRACTION, Layout, called_for, layouts, strategy_names
-from sharding.targets import Target
+from sharding.targets import CHOICES, CompilerError, Target, compiler_for
 from sharding.targets import target as parse_target
 
 DTYPES = ("float32", "bfloat16")
 REMATS = ("none", "dots", "full")
 DEFAULT_TARGET = "h100:1x8"
-DEFAULT_SEQ = 128  # tokens per sequence when a model with a sequence axis is compared without --seq
 MAX_ACCUM = 8  # gradient accumulation tried up to this many micro-steps where memory needs it
 REFERENCE_TASK = "unsplit step (1 device)"
 
@@ -74,6 +80,7 @@ def compare(
     attention: str | None = None,
     accum: int | None = None,
     micro_batch: int | None = None,
+    compiler: str = "auto",
 ) -> Comparison:
     """Which strategy for ``model`` on ``target``: `spmdkit compare`.
 
@@ -110,6 +117,10 @@ def compare(
             skipped, saying so. Default: accumulation only where memory needs it.
         micro_batch: rows per device per forward pass in every candidate (plan's too): each
             layout's accumulation follows; one it does not divide is skipped, saying so.
+        compiler: whose programs the facts come from (`sharding.targets.compiler_for`):
+            "auto", the target's own compiler (XLA:GPU, libtpu) on compile-only devices where
+            its extra is installed, else XLA:CPU on simulated devices, saying so in the notes;
+            "target", the target's or an error naming the extra; "cpu", XLA:CPU.
 
     Raises:
         CompareArgumentError (before anything compiles), `NothingMeasuredError` /
@@ -120,10 +131,8 @@ def compare(
         >>> result.recommendation.best.label  # doctest: +SKIP
         'dp bf16'
     """
-    work = _workload(model, size, cfg)
-    seq = _check(work, batch, seq, timed_steps, warmup_steps)
-    if attention is not None:
-        check_runs_here(attention)
+    work = workload_of(model, size, cfg)
+    seq = check_counts(work, batch, seq, timed_steps, warmup_steps)
     if profile is not None:
         if measure is False:
             raise CompareArgumentError(
@@ -147,10 +156,18 @@ def compare(
         raise CompareArgumentError(f"--micro-batch {micro_batch!r}: give a whole number >= 1, and "
                                    f"not with --accum {accum} (each fixes the other)")  # fmt: skip
     tgt = target if isinstance(target, Target) else parse_target(target)
-    dtypes, remats = _choices("--dtype", dtype, DTYPES), _choices("--remat", remat, REMATS)
+    dtypes, remats = choices("--dtype", dtype, DTYPES), choices("--remat", remat, REMATS)
     budget = (int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_budget is None
-              else _bytes(memory_budget))  # fmt: skip
+              else budget_bytes(memory_budget))  # fmt: skip
+    if compiler not in CHOICES:
+        raise CompareArgumentError(f"--compiler {compiler!r}: choose from {', '.join(CHOICES)}")
     devices = _devices(tgt)
+    try:
+        chosen = compiler_for(tgt, compiler)
+    except CompilerError as e:
+        raise CompareArgumentError(f"--compiler {compiler}: {e}") from None
+    if attention is not None:
+        check_runs_here(attention, chosen.platform)
     depth = work.depth() or 0
     extra = called_for(work, seq)  # long sequences: sequence splits; experts: expert splits
     todo = layouts(tgt.devices, depth, strategies=strategies, mesh=mesh, batch=batch,
@@ -166,7 +183,7 @@ def compare(
         )
     progress = on_progress or (lambda *a: None)
     real = devices[0].platform != "cpu"
-    settings = Settings(batch, seq, attention=attention)
+    settings = Settings(batch, seq, attention=attention, compiler=chosen)
     started = time.perf_counter()
     progress(REFERENCE_TASK, 0, 1, None)
     useful, unsplit = reference_flops(work, settings, dtypes[0])
@@ -204,12 +221,14 @@ def compare(
                      f"bfloat16 arrays it slices (a layer stack's saved activations) as float32 "
                      f"copies, up to {fmt_bytes(widened)} per device here, which a GPU or TPU "
                      f"does not (sharding.inspection.widened_bytes)")  # fmt: skip
-    name, size_name = _names(work)
+    if chosen.note:
+        notes.insert(0, chosen.note)
+    name, size_name = names(work)
     result = Comparison(
         name, size_name, work.param_count(), tgt, settings, dtypes,
         {"count": len(devices), "platform": devices[0].platform, "kind": devices[0].device_kind},
         real and measure, useful, unsplit, budget, found, skipped,
-        time.perf_counter() - started, notes,
+        time.perf_counter() - started, notes, compiler=chosen,
     )  # fmt: skip
     try:
         result.recommendation = recommend(found, unsplit, budget, tgt, measured=result.measured,
@@ -314,84 +333,6 @@ def _devices(tgt: Target) -> list:
             f"does), or choose a target of {jax.device_count()} devices"
         )
     return jax.devices()
-
-
-def _choices(flag: str, value: Any, known: tuple[str, ...]) -> tuple[str, ...] | None:
-    if value is None:
-        return known if flag == "--dtype" else None
-    asked = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
-    bad = [v for v in asked if v not in known]
-    if bad or not asked:
-        raise CompareArgumentError(
-            f"{flag} {','.join(map(str, asked))!r}: choose from {', '.join(known)} (a comma list)"
-        )
-    return tuple(dict.fromkeys(asked))
-
-
-def _workload(model: Any, size: str | None, cfg: Any) -> Workload:
-    if isinstance(model, Workload):
-        if size is not None or cfg is not None:
-            raise CompareArgumentError(
-                f"--size/cfg configure a shipped family; {model.name!r} is a Workload: build it "
-                f"at the size you want instead"
-            )
-        return model
-    if not all(hasattr(model, a) for a in ("NAME", "Model", "loss", "config", "SIZES")):
-        raise CompareArgumentError(
-            f"--model {model!r}: compare takes a sharding.Workload or a model family module "
-            f"(e.g. models.llama, models.cnn)"
-        )
-    if cfg is None:
-        if (size or "tiny") not in model.SIZES:
-            raise CompareArgumentError(
-                f"--size {size!r}: unknown {model.NAME} size; sizes: {', '.join(model.SIZES)}"
-            )
-        cfg = model.config(size or "tiny")
-    return Workload.from_family(model, cfg)
-
-
-def _names(work: Workload) -> tuple[str, str]:
-    """(model, size) for tables and JSON: the family and its size, or the workload's name."""
-    if work.family is not None:
-        return work.family.NAME, work.config.name
-    return work.name, "-"
-
-
-def _check(work: Workload, batch, seq, timed_steps, warmup_steps) -> int | None:
-    sequences = work.seq is not None
-    if not sequences and seq is not None:
-        raise CompareArgumentError(
-            f"--seq {seq!r}: {' '.join(_names(work)).rstrip(' -')} has no sequence axis (its batch is "
-            f"{', '.join(work.batch_shapes(1, None))}); drop --seq"
-        )
-    seq = (DEFAULT_SEQ if seq is None else seq) if sequences else None
-    counts = (("--batch", batch, 1), ("--timed-steps", timed_steps, 1),
-              ("--warmup-steps", warmup_steps, 0)) + ((("--seq", seq, 1),) if sequences else ())  # fmt: skip
-    for flag, value, low in counts:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise CompareArgumentError(f"{flag} {value!r}: give a whole number >= {low}")
-    too_long = work.seq_refusal(seq) if sequences else None
-    if too_long:
-        raise CompareArgumentError(too_long)
-    return seq
-
-
-def _positive(value: Any) -> bool:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return ok and math.isfinite(value) and value > 0
-
-
-def _bytes(memory: int | str) -> int:
-    try:
-        value = parse_bytes(memory) if isinstance(memory, str) else memory
-    except SizeFormatError as e:
-        raise CompareArgumentError(f"--memory {memory!r}: {e}") from None
-    if not _positive(value):
-        raise CompareArgumentError(
-            f"--memory {memory!r}: give the memory per device, more than 0 bytes, e.g. "
-            f"--memory 80GB"
-        )
-    return int(value)
 
 
 __all__ = ["Comparison", "check_output", "compare"]

@@ -39,7 +39,7 @@ from sharding.costmodel import (
     step_time,
     work_from_report,
 )
-from sharding.targets import Target
+from sharding.targets import Compiler, Target
 from sharding.training import profile_steps
 
 __all__ = ["Candidate", "Settings", "closed_form", "evaluate", "measure_here", "reference_flops"]
@@ -47,13 +47,15 @@ __all__ = ["Candidate", "Settings", "closed_form", "evaluate", "measure_here", "
 
 @dataclass(frozen=True)
 class Settings:
-    """What every candidate shares: the global batch, the optimizer's learning rate and the
-    attention kernel (`models.attention.KINDS`; None: the model's own)."""
+    """What every candidate shares: the global batch, the optimizer's learning rate, the
+    attention kernel (`models.attention.KINDS`; None: the model's own) and the compiler the
+    programs come from (`sharding.targets.compiler_for`; None: this process's devices)."""
 
     batch: int
     seq: int | None
     lr: float = 1e-3
     attention: str | None = None
+    compiler: Compiler | None = None
 
 
 @dataclass
@@ -72,8 +74,9 @@ class Candidate:
     split: str  # what the compiled program splits: "batch data(8)\nweights fsdp(8)"
     param_bytes: int
     state_bytes: int
-    # What the compiled step allocates per device, bfloat16 arrays counted in bfloat16 (XLA:CPU
-    # carries some as float32 copies: ``widened`` bytes, `sharding.inspection.widened_bytes`).
+    # What the compiled step needs per device: the target compiler's peak; from XLA:CPU, what it
+    # allocates with bfloat16 arrays counted in bfloat16 (it carries some as float32 copies:
+    # ``widened`` bytes, `sharding.inspection.widened_bytes`).
     allocated: int | None
     collectives: list[dict[str, Any]]  # {kind, axes, count, bytes}, one per (kind, axes)
     collective_bytes: int
@@ -88,6 +91,7 @@ class Candidate:
     measured_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     widened: int = 0
+    compiler: str = "XLA:CPU"  # whose program the facts are read from
 
     @property
     def label(self) -> str:
@@ -147,7 +151,10 @@ def build(
     layout: Layout, work: Workload, settings: Settings, *, dtype: str = "float32",
     remat: str = "none", accum: int = 1, devices: list | None = None,
 ) -> Any:  # fmt: skip
-    """The `TrainProgram` of one candidate (AdamW), compiled on first use."""
+    """The `TrainProgram` of one candidate (AdamW), compiled on first use: on ``devices``, else
+    the settings' compiler's (compile-only devices of the target), else this process's."""
+    if devices is None and settings.compiler is not None:
+        devices = settings.compiler.device_list()
     return layout.program(work, batch=settings.batch, seq=settings.seq,
                           optimizer=optax.adamw(settings.lr), dtype=dtype, remat=remat,
                           accum_steps=accum, devices=devices,
@@ -196,13 +203,14 @@ def evaluate(
         mesh_sizes=dict(program.mesh.shape), split=_split_text(program),
         param_bytes=state_bytes(program.abstract_state["params"], program.param_shardings),
         state_bytes=state_bytes(program.abstract_state, program.state_shardings),
-        allocated=None if report.memory is None else report.memory.native,
+        allocated=None if report.memory is None else report.memory.needed,
         widened=0 if report.memory is None else report.memory.widened,
         collectives=by_axes, collective_bytes=report.collective_bytes(),
         matmul_flops=(sw.pipeline or {}).get("busiest_device_flops", report.matmul_flops),
         compile_time_s=program.compile_time_s or 0.0,
         bubble=report.extra.get("bubble_fraction"), predicted=step_time(sw, target),
         predicted_work=sw, batch=settings.batch, tokens_per_step=tokens, unit=work.unit,
+        compiler=f"XLA:{report.platform.upper()}",
     )  # fmt: skip
     return candidate, program
 
@@ -230,7 +238,11 @@ def measure_here(
 ) -> Candidate:  # fmt: skip
     """Run ``warmup`` then ``timed`` steps on this process's devices; fill the timings. With
     ``profile``, the timed steps are traced (`sharding.training.profile_steps`) into
-    ``profile/<candidate label>``."""
+    ``profile/<candidate label>``. A program compiled for a target's compile-only devices is
+    rebuilt on this process's devices to run."""
+    if program.mesh.devices.flat[0].platform != jax.default_backend():
+        program = build(candidate.layout, work, replace(settings, compiler=None),
+                        dtype=candidate.dtype, remat=candidate.remat, accum=candidate.accum)  # fmt: skip
     state = program.init(0)
     batch = program.shard_batch(work.synthetic_batch(settings.batch, settings.seq))
     trace = None

@@ -14,7 +14,7 @@ from sharding.comparison._errors import CompareError, OutputExistsError
 from sharding.comparison._evaluate import Candidate, Settings
 from sharding.comparison._plot import plot
 from sharding.comparison._verdict import Recommendation, comparison_table, rank
-from sharding.targets import Target
+from sharding.targets import Compiler, Target
 
 OUTPUTS = ("compare.json", "compare.png")
 
@@ -54,6 +54,7 @@ class Comparison:
     elapsed_s: float
     notes: list[str] = field(default_factory=list)
     recommendation: Recommendation | None = None
+    compiler: Compiler | None = None  # whose programs the facts come from (None: this host's)
 
     @property
     def ranked(self) -> list[Candidate]:
@@ -70,10 +71,10 @@ class Comparison:
         batch = f"{st.batch} x {st.seq} tokens" if st.seq else f"{st.batch} samples"
         parts: list[Any] = [
             f"[bold]{self.model} {self.size}[/]: {self.parameters:,} parameters, global batch "
-            f"{batch}, {'/'.join(self.dtypes)}; target {self.target.describe()}; compiled on "
-            f"{dev['count']} {dev['platform']} devices"
-            + (" (simulated)" if dev["platform"] == "cpu" else "")
-        ]
+            f"{batch}, {'/'.join(self.dtypes)}; target {self.target.describe()}; compiled by "
+            + (self.compiler.describe() if self.compiler else
+               f"XLA on {dev['count']} {dev['platform']} devices")
+        ]  # fmt: skip
         if self.candidates:
             parts.append(comparison_table(self.candidates, self.unsplit_state, self.memory_budget,
                                           measured=self.measured, target=self.target))  # fmt: skip
@@ -92,7 +93,8 @@ class Comparison:
         return {
             "model": {"name": self.model, "size": self.size, "parameters": self.parameters},
             "target": self.target.to_dict(),
-            "settings": asdict(self.settings),
+            "settings": {k: v for k, v in vars(self.settings).items() if k != "compiler"},
+            "compiler": None if self.compiler is None else self.compiler.to_dict(),
             "dtypes": list(self.dtypes),
             "devices": dict(self.devices),
             "ranked_by": "measured" if self.measured else "predicted",

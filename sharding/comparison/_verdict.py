@@ -95,7 +95,8 @@ def comparison_table(
         f"accumulation micro-steps (global batch {cands[0].batch}); traffic: collective bytes per device per step and the largest (AR "
         f"all-reduce, AG all-gather, RS reduce-scatter, CP permute); train state = params + "
         f"optimizer state per device (x: of the unsplit {fmt_bytes(unsplit_state)}); memory = "
-        f"what the compiled step allocates per device, fits = within {fmt_bytes(budget)}; "
+        f"what the compiled step needs per device (the target compiler's peak; XLA:CPU's "
+        f"allocation), fits = within {fmt_bytes(budget)}; "
         f"comp+comm+bub: compute, communication exposed after overlap and bubble, in ms"
         + ("; here = steps timed on this host's simulated devices (a sanity check, not a "
            "prediction: they share its cores)" if here and not measured else "")

@@ -33,7 +33,7 @@ from typing import Any
 
 from sharding._mesh import AXES, mesh_text
 from sharding._units import fmt_bytes, fmt_count
-from sharding.costmodel._passes import pass_sentences, run_kind
+from sharding.costmodel._passes import compiler_sentences, run_kind
 from sharding.costmodel._predict import CostModelError
 from sharding.costmodel._traffic import SHIFT_GATHERS
 from sharding.costmodel._zero import UPDATED_WEIGHTS
@@ -136,6 +136,10 @@ class StepWork:
     microbatches: int = 1
     tensor_overlap: bool = False
     reduction_overlap: bool = False
+    # Whose compiler produced ``collectives`` ("cpu", "gpu", "tpu"; None: a closed form). The
+    # target's own has already run its collective passes (reassociation, reduce-scatters,
+    # all-reduces moved out of the accumulation loop): they are priced as the program shows.
+    compiled_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -259,9 +263,10 @@ def step_time(
     matmul_s, bubble_s = (work.matmul_flops - work.bubble_flops) / rate, work.bubble_flops / rate
     memory_s = work.memory_bound_bytes / (d.hbm_bw * d.hbm_fraction)
     rows, by_rule = [], defaultdict(float)
-    sinks = work.accum > 1 and PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
+    native = work.compiled_by == d.platform  # the target's compiler ran its passes already
+    sinks = work.accum > 1 and not native and PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
     for c in work.collectives:
-        kind = run_kind(c.kind, c.what, d.platform)  # as the target's compiler runs it
+        kind = c.kind if native else run_kind(c.kind, c.what, d.platform)
         if kind is None:
             continue
         c = replace(c, kind=kind)
@@ -360,18 +365,10 @@ def _assumptions(work: StepWork, tgt: Target, overlap: float, backward: float, b
                    f"step's first forward (given: StepWork.reduction_overlap): they hide behind "
                    f"one micro-batch's compute ({work.accum * work.microbatches} per step) up to "
                    f"{overlap:.0%} of it.")  # fmt: skip
-    if work.accum > 1:
-        sinks = PLATFORMS[d.platform]["sinks_accumulated_all_reduces"]
-        out.append(f"{work.accum} micro-steps per step: " + (
-            f"XLA for {d.platform} moves the gradient all-reduces out of the accumulation loop "
-            f"(WhileLoopAllReduceCodeMotion): they run once per step, after the loop, "
-            + ("behind the last micro-batch (above); " if work.reduction_overlap else "exposed; ")
-            + "fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
-            "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
+    out += compiler_sentences(work, d.platform)
     if any(UPDATED_WEIGHTS in c.what for c in work.collectives):
         out.append("zero1's updated weights are gathered after the optimizer update: " + (
             "behind one micro-batch (above)." if work.reduction_overlap else "exposed."))  # fmt: skip
-    out += pass_sentences(work.collectives, d.platform)
     if work.schedule:
         out.append(f"Pipeline {work.schedule}: {work.bubble_fraction:.1%} of stage-ticks idle; "
                    f"{fmt_count(work.bubble_flops)} FLOPs of the critical path are bubble, shown "

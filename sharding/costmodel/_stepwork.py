@@ -40,6 +40,8 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _NOISE = re.compile(r'/\*.*?\*/|metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _TRIP = re.compile(r'("known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?)(\d+)')
+# XLA:GPU prints a two-way conditional on a predicate; its branches in index order are false, true
+_PREDICATED = re.compile(r"true_computation=(%?[\w.\-]+), false_computation=(%?[\w.\-]+)")
 
 
 class _Ticks:
@@ -51,6 +53,7 @@ class _Ticks:
     """
 
     def __init__(self, hlo_text: str):
+        hlo_text = _PREDICATED.sub(r"branch_computations={\2, \1}", hlo_text)
         self.counter = FlopCounter(hlo_text)
         self.base = float(self.counter.count().total)
         self.lines: list[tuple[str, str, str]] = []  # (computation, line sans noise, raw line)
@@ -273,7 +276,8 @@ def work_from_report(
             op.kind, op.axes, op.bytes * op.multiplicity, op.multiplicity, "")),
         tokens=tokens, dtype=dtype, unit=unit, memory_bound_bytes=memory_bound_bytes,
         remat=remat, model_flops=model_flops, source="compiled program",
-        memory_bytes=None if mem is None else mem.native, notes=notes, accum=accum,
+        memory_bytes=None if mem is None else mem.needed, notes=notes, accum=accum,
+        compiled_by=report.platform,
         elementwise_bytes=min(elementwise_bytes or 0.0, memory_bound_bytes))  # fmt: skip
     if schedule is None:
         return _apart(work, apart)

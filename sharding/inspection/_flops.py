@@ -52,6 +52,29 @@ def _matmul_flops(module: _Module, type_text: str, opcode: str, operands: list, 
     return 2 * out * math.prod(kernel) // kernel[m.group(1).index("o")]
 
 
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+_SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
+_FIRST_DIMS = re.compile(r"\w+\[([0-9,]+)\]")
+
+
+def _fmha_flops(type_text: str, attrs: str) -> int:
+    """The matmul FLOPs of one cuDNN fused attention call (XLA:GPU's ``__cudnn$fmha*``), 0 for
+    any other custom call. Its scores are ``[B, N, S, T]`` (the backend config's
+    ``intermediate_tensor_shape``), its first output ``[B, N, S, H]``: the forward runs two
+    matmuls of ``2 B N S T H`` (Q K^T, then P V), the backward five (the scores again, dP, dV,
+    dQ, dK: FlashAttention-2, Dao 2023, section 3.1.2), and a causal mask skips the tiles
+    above the diagonal, leaving ``(T + 1) / 2T`` of them (S = T)."""
+    kind = _FMHA.search(attrs)
+    scores, out = _SCORES.search(attrs), _FIRST_DIMS.search(type_text)
+    if not (kind and scores and out):
+        return 0
+    b, n, s, t = (int(x.strip().strip('"')) for x in scores.group(1).split(","))
+    h = int(out.group(1).split(",")[-1])
+    share = (t + 1) / (2 * t) if '"mask_type": "CAUSAL"' in attrs else 1.0
+    matmuls = 5 if "Backward" in kind.group(1) else 2
+    return round(matmuls * 2 * b * n * s * t * h * share)
+
+
 def count_flops(hlo_text: str) -> FlopCount:
     """Matmul FLOPs per device of one run of a compiled (post-partitioning) HLO module.
 
@@ -60,8 +83,8 @@ def count_flops(hlo_text: str) -> FlopCount:
     computation, unlike ``compiled.cost_analysis()``, which counts a while body once per
     program: a ``lax.scan`` over layers counts every layer here. Conditional branches all
     count, as if each were taken (``exact`` False; one run of a cond costs at most its
-    dearest branch). Elementwise and reduction work, and other custom-calls (cuDNN
-    convolutions), are not counted; nor are dots XLA rewrites to multiplies (outer products,
+    dearest branch). cuDNN's fused attention counts its matmuls (`_fmha_flops`). Elementwise
+    and reduction work, and other custom-calls (cuDNN convolutions), are not counted; nor are dots XLA rewrites to multiplies (outer products,
     vector dot products).
 
     Example:
@@ -90,6 +113,8 @@ class FlopCounter:
             if opcode in MATMUL_KINDS:
                 flops = _matmul_flops(self._module, type_text, opcode, operands, attrs)
                 self._local.setdefault(comp, dict.fromkeys(MATMUL_KINDS, 0))[opcode] += flops
+            elif opcode == "custom-call" and (flops := _fmha_flops(type_text, attrs)):
+                self._local.setdefault(comp, dict.fromkeys(MATMUL_KINDS, 0))["dot"] += flops
 
     def count(self, edit: tuple[str, str] | None = None) -> FlopCount:
         """The module's FLOPs; with ``edit=(line, new_line)``, those of the module in which the

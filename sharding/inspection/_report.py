@@ -55,6 +55,7 @@ class MemoryStats:
     generated_code: int
     peak: int | None
     widened: int = 0  # float32 copies XLA:CPU carries of whole bfloat16 arrays (`widened_bytes`)
+    platform: str = "cpu"  # whose compiler assigned the buffers: "cpu", "gpu" or "tpu"
 
     @property
     def allocated(self) -> int:
@@ -73,6 +74,13 @@ class MemoryStats:
         (a layer stack's saved activations) as float32 copies. ``allocated`` itself for float32
         programs and off CPU."""
         return self.allocated - self.widened
+
+    @property
+    def needed(self) -> int:
+        """Bytes per device the program needs: an accelerator compiler's ``peak`` (its buffer
+        assignment's largest live set, arguments included), which is what must fit the
+        device's memory; on XLA:CPU, whose ``peak`` leaves the temporaries out, `native`."""
+        return self.peak if self.platform != "cpu" and self.peak else self.native
 
 
 @dataclass
@@ -98,6 +106,7 @@ class ProgramReport:
     compile_time_s: float | None = None
     mesh: dict[str, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    platform: str = "cpu"  # whose compiler produced the program: "cpu", "gpu" or "tpu"
 
     def summary(self, *, by_axes: bool = False) -> dict[Any, CollectiveSummary]:
         """`summarize` of this program's collectives."""
@@ -215,9 +224,10 @@ def inspect_compiled(
         >>> report = inspect_compiled(jax.jit(f).lower(x).compile())  # doctest: +SKIP
         >>> rich.print(report)  # doctest: +SKIP
     """
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     if mesh is None:
-        shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
         mesh = next((s.mesh for s in shardings if isinstance(s, jshard.NamedSharding)), None)
+    platform = next(iter(shardings[0].device_set)).platform if shardings else "cpu"
     memory, cost, hlo_text = None, _analysis(compiled, "cost_analysis"), compiled.as_text()
     if isinstance(cost, list | tuple):  # older jax gave one dict per program
         cost = cost[0] if cost else None
@@ -228,7 +238,8 @@ def inspect_compiled(
         memory = MemoryStats(
             **{f: int(getattr(stats, f"{f}_size_in_bytes")) for f in fields},
             peak=None if peak is None else int(peak),
-            widened=widened_bytes(hlo_text),
+            widened=widened_bytes(hlo_text) if platform == "cpu" else 0,
+            platform=platform,
         )
     flops, accessed = cost.get("flops"), cost.get("bytes accessed")
     return ProgramReport(
@@ -239,6 +250,7 @@ def inspect_compiled(
         bytes_accessed=None if accessed is None else float(accessed),
         compile_time_s=compile_time_s,
         mesh=None if mesh is None else mesh_sizes(mesh),
+        platform=platform,
     )
 
 
@@ -258,7 +270,9 @@ def compile_and_inspect(
         4194304
     """
     start = time.perf_counter()
-    compiled, partitioned = compile_partitioned(jitted_fn.lower(*args, **kwargs))
+    placed = [getattr(a, "sharding", None) for a in jax.tree.leaves((args, kwargs))]
+    platform = next((next(iter(s.device_set)).platform for s in placed if s is not None), None)
+    compiled, partitioned = compile_partitioned(jitted_fn.lower(*args, **kwargs), platform)
     elapsed = time.perf_counter() - start
     return compiled, inspect_compiled(compiled, mesh=mesh, compile_time_s=elapsed,
                                       partitioned=partitioned)  # fmt: skip

@@ -70,14 +70,21 @@ def widened_bytes(hlo_text: str) -> int:
                for name, dims in copies.items() if name in carried)  # fmt: skip
 
 
-def compile_partitioned(lowered: Any) -> tuple[Any, str | None]:
+def compile_partitioned(
+    lowered: Any, platform: str | None = None, *, unroll_loops: bool = True
+) -> tuple[Any, str | None]:
     """``(lowered.compile(), the module's HLO text right after SPMD partitioning)``, compiled
     with XLA's overlap options on a GPU (`overlap_options`); the text is
     None where no float narrower than float32 is in the program or the backend is not XLA:CPU
     (whose final module keeps the partitioner's dtypes), or where this XLA names the dump
-    otherwise."""
-    text, platform = lowered.as_text(), jax.default_backend()
+    otherwise. ``platform``: the devices the program was lowered for ("cpu", "gpu", "tpu"; a
+    compile-only target's, which is not this process's backend); default: the backend's.
+    ``unroll_loops=False`` leaves out XLA:GPU's loop double buffering (a pipeline's tick scan
+    stays one tick per iteration, as its schedule's accounting reads it)."""
+    text, platform = lowered.as_text(), platform or jax.default_backend()
     options = overlap_options(platform)  # XLA's GPU overlap options; none elsewhere
+    if not unroll_loops:
+        options.pop("xla_gpu_enable_while_loop_double_buffering", None)
     if platform != "cpu" or not any(f"{t}>" in text or f"x{t}" in text for t in _NARROW_FLOATS):
         return _compile_dropping_unknown(lowered, options), None
     with tempfile.TemporaryDirectory(prefix="spmdkit-partitioned-") as folder:

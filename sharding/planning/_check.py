@@ -18,23 +18,25 @@ from sharding.costmodel import (
     step_time,
     work_from_prediction,
 )
-from sharding.targets import Target, target
+from sharding.targets import Compiler, Target, target
 
 
 def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
-                    dtype: str | None = None) -> Check:  # fmt: skip
+                    dtype: str | None = None, compiler: Compiler | None = None) -> Check:  # fmt: skip
     """Compile a closed-form estimate's layout for ``tgt`` (compare's path) and keep both
     predictions, at ``dtype`` (default: the estimate's; the formula is re-run at another).
 
-    Needs ``jax.device_count() == tgt.devices``. The compiled step uses AdamW, as compare's.
+    Needs ``jax.device_count() == tgt.devices``. The compiled step uses AdamW, as compare's;
+    ``compiler`` (`sharding.targets.compiler_for`) says whose program (None: this process's
+    devices).
     """
     tgt, p = target(tgt), estimate.prediction
     if p is None:
         raise CostModelError(f"{estimate.label}: no closed-form prediction to check")
     dtype = dtype or p.dtype
     family, cfg = work.family, work.config
-    # The compile runs the kernel asked for where this host can, else its flash-style stand-in.
-    kind = p.attention if runs_here(p.attention) else "blockwise"
+    # The compile runs the kernel asked for where its platform can, else a flash-style stand-in.
+    kind = p.attention if runs_here(p.attention, compiler and compiler.platform) else "blockwise"
     if dtype != p.dtype or kind != p.attention:
         p = predict(family, cfg, p.strategy, p.mesh, p.batch, p.seq,
                     pipeline=estimate.layout.pipeline(), dtype=dtype, optimizer=p.optimizer,
@@ -42,7 +44,7 @@ def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
     useful = predict(family, cfg, "dp", {}, p.batch, p.seq, dtype=dtype,
                      attention=kind).matmul_flops  # fmt: skip
     sw = work_from_prediction(p, model_flops=useful)
-    settings = Settings(p.batch, p.seq, attention=kind)
+    settings = Settings(p.batch, p.seq, attention=kind, compiler=compiler)
     cand, _ = evaluate(estimate.layout, work, settings, tgt, dtype=dtype,
                        remat=p.remat, accum=p.accum, useful_flops=useful)  # fmt: skip
     rate = tgt.device.peak(dtype) * tgt.device.matmul_fraction
@@ -50,18 +52,22 @@ def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
     return estimate.check
 
 
-def check_top(ranked: list[Estimate], work: Any, tgt: Target, n: int, optimizer: str) -> list[str]:
+def check_top(ranked: list[Estimate], work: Any, tgt: Target, n: int, optimizer: str,
+              compiler: Compiler | None = None) -> list[str]:  # fmt: skip
     """`check_candidate` on the first ``n`` fitting layouts (each at its best remat policy);
     notes on how they were checked.
 
-    On a CPU host a bfloat16 plan is checked at float32, formula and compile alike: XLA:CPU
-    carries bfloat16 collectives in float32 (converts around them) and aborts compiling
-    bfloat16 pipelines, so a bfloat16 compile here would not be the program a GPU runs.
+    Compiled by XLA:CPU (``compiler`` None on a CPU host, or its fallback), a bfloat16 plan is
+    checked at float32, formula and compile alike: XLA:CPU carries bfloat16 collectives in
+    float32 (converts around them) and aborts compiling bfloat16 pipelines, so a bfloat16
+    compile there would not be the program a GPU runs. The target's own compiler compiles it
+    at bfloat16.
     """
     import jax
 
     dtype, notes = ranked[0].prediction.dtype, []
-    if dtype == "bfloat16" and jax.default_backend() == "cpu":
+    platform = compiler.platform if compiler else jax.default_backend()
+    if dtype == "bfloat16" and platform == "cpu":
         dtype = "float32"
         notes.append("checked at float32 on this CPU host, formula and compile alike: XLA:CPU "
                      "carries bfloat16 collectives in float32 and aborts compiling bfloat16 "
@@ -74,7 +80,7 @@ def check_top(ranked: list[Estimate], work: Any, tgt: Target, n: int, optimizer:
         if c.fits and len(chosen) < n:
             chosen.setdefault(c.layout, c)
     for c in chosen.values():
-        check_candidate(c, work, tgt, dtype=dtype)
+        check_candidate(c, work, tgt, dtype=dtype, compiler=compiler)
     return notes
 
 

@@ -17,7 +17,7 @@ from sharding.costmodel import (
     memory_budget,
     rank_estimates,
 )
-from sharding.targets import Target, target
+from sharding.targets import Compiler, Target, target
 
 
 def compiled_candidates(
@@ -31,12 +31,14 @@ def compiled_candidates(
     memory_bytes: int | None = None,
     limit: int = MAX_COMPILES,
     attention: str | None = None,
+    compiler: Compiler | None = None,
 ) -> tuple[list[Estimate], list[str]]:
     """A few layouts of any `sharding.Workload` (`few_layouts`), each compiled for ``tgt`` from
     abstract shapes on this process's devices and priced from its program; ranked as
     `candidates` ranks, with notes on what was left out.
 
-    Needs ``jax.device_count() == tgt.devices`` (simulate CPU devices first).
+    Needs ``jax.device_count() == tgt.devices`` (simulate CPU devices first). ``compiler``
+    (`sharding.targets.compiler_for`): whose programs; None, this process's devices.
 
     Example (with ``work`` a `sharding.Workload`):
         >>> ranked, notes = compiled_candidates(work, "h100:1x8", 16, 32)  # doctest: +SKIP
@@ -50,11 +52,12 @@ def compiled_candidates(
         tgt.devices, depth, strategies=strategies, search=True, batch=batch, extra=extra
     )
     chosen, notes = few_layouts(found, tgt.per_node, limit), []
-    if dtype == "bfloat16" and jax.default_backend() == "cpu" and any(x.schedule for x in chosen):
+    platform = compiler.platform if compiler else jax.default_backend()
+    if dtype == "bfloat16" and platform == "cpu" and any(x.schedule for x in chosen):
         chosen = [x for x in chosen if x.schedule is None]
         notes.append("bfloat16 pipelines not compiled: XLA:CPU aborts compiling them (its "
                      "all-reduce promotion); plan them with --dtype float32")  # fmt: skip
-    settings = Settings(batch, seq, attention=attention)
+    settings = Settings(batch, seq, attention=attention, compiler=compiler)
     budget = memory_budget(tgt, memory_bytes)
     useful = reference_flops(work, settings, dtype)[0]
     out: list[Estimate] = []

@@ -32,7 +32,7 @@ from sharding.costmodel import (
 from sharding.planning._check import check_top, devices_here
 from sharding.planning._compiled import compiled_candidates
 from sharding.planning._planview import PlanResult
-from sharding.targets import Target
+from sharding.targets import CHOICES, Compiler, CompilerError, Target, compiler_for
 from sharding.targets import target as to_target
 
 # Simulating more CPU devices than this makes an AOT compile too slow to be worth waiting for.
@@ -64,6 +64,7 @@ def plan(
     attention: str | None = None,
     accum: int | None = None,
     micro_batch: int | None = None,
+    compiler: str = "auto",
 ) -> PlanResult:
     """Rank every (strategy, mesh, schedule, remat) layout of a model on a target cluster.
 
@@ -95,6 +96,9 @@ def plan(
         accum, micro_batch: pin the accumulation steps, or the rows each device runs per
             forward pass (Megatron's micro-batch size); default: searched, per layout the
             smallest accumulation that fits (`micro_steps`). Closed-form families only.
+        compiler: whose programs the compiled layouts come from (`sharding.targets.compiler_for`):
+            "auto", the target's own compiler where its extra is installed (a bfloat16 plan is
+            then checked at bfloat16), else XLA:CPU, saying so; "target" or an error; "cpu".
 
     Raises:
         PlanError: an argument out of range; `NoFittingStrategyError`, `NoValidLayoutError` from
@@ -119,6 +123,8 @@ def plan(
         raise PlanError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     if optimizer not in OPTIMIZER_MOMENTS:
         raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_MOMENTS)}")
+    if compiler not in CHOICES:
+        raise PlanError(f"--compiler {compiler!r}: choose one of {', '.join(CHOICES)}")
     work = _workload(model, size, cfg, layers)
     kind = check_kind(attention or "auto")
     # Checked now; None stays None so that the layouts add what the model calls for (`called_for`).
@@ -128,16 +134,15 @@ def plan(
     name = getattr(work.family, "NAME", None)
     if name in LM_FAMILIES:
         return _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
-                            kind, (accum, micro_batch))  # fmt: skip
+                            kind, (accum, micro_batch), compiler)  # fmt: skip
     if accum is not None or micro_batch is not None:
         raise PlanError(
             f"--accum / --micro-batch: {work.name} is priced from compiled programs, which "
             f"plan runs at accumulation 1; use spmdkit compare (which adds accumulation where "
             f"memory needs it) or leave them out"
         )
-    check_runs_here(kind)  # priced from programs compiled here
     return _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
-                     attention)  # fmt: skip
+                     attention, compiler)  # fmt: skip
 
 
 ATTENTION_NOTE = {
@@ -148,7 +153,7 @@ ATTENTION_NOTE = {
 
 
 def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, kind,
-                 pins=(None, None)):  # fmt: skip
+                 pins=(None, None), compiler="auto"):  # fmt: skip
     family, cfg = work.family, work.config
     too_long = None if seq is None else work.seq_refusal(seq)
     if too_long:
@@ -169,10 +174,13 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
     elif aot and have != tgt.devices:
         notes.append(f"AOT skipped: {have} devices here, not {tgt.devices}")
     elif aot:
-        notes += check_top(ranked, work, tgt, aot, optimizer)
-        if not runs_here(kind):
-            notes.append(f"compiled with attention='blockwise' on this host, which cannot run "
-                         f"{kind!r}; the formula beside it is re-run for blockwise")  # fmt: skip
+        chosen = _compiler(tgt, compiler)
+        notes += [chosen.note] if chosen.note else []
+        notes += check_top(ranked, work, tgt, aot, optimizer, chosen)
+        if not runs_here(kind, chosen.platform):
+            notes.append(f"compiled with attention='blockwise' for {chosen.platform}, which "
+                         f"cannot run {kind!r}; the formula beside it is re-run for "
+                         f"blockwise")  # fmt: skip
     assumptions = [
         *_top_assumptions(ranked),
         f"Memory: params + gradients + optimizer state + batch + saved activations + one "
@@ -190,7 +198,17 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
                       rejected)  # fmt: skip
 
 
-def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, attention):
+def _compiler(tgt: Target, choice: str) -> Compiler:
+    """The compiler a plan's compiled layouts come from, after this process's devices are
+    simulated; a `PlanError` where ``--compiler target`` cannot run here."""
+    try:
+        return compiler_for(tgt, choice)
+    except CompilerError as e:
+        raise PlanError(f"--compiler {choice}: {e}") from None
+
+
+def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, attention,
+              compiler="auto"):  # fmt: skip
     if aot == 0:
         raise PlanError(
             f"--aot 0: {work.name} has no closed-form costs, so plan prices it from compiled "
@@ -213,10 +231,13 @@ def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, 
             f"{tgt.devices} devices, and this process holds {have} (JAX started before plan "
             f"could simulate them); run plan in a fresh process or pick a target of {have} devices"
         )
+    chosen = _compiler(tgt, compiler)
+    check_runs_here(check_kind(attention or "auto"), chosen.platform)
     start = time.perf_counter()
     ranked, notes = compiled_candidates(work, tgt, batch, seq, strategies=strategies and tuple(strategies),
                                         dtype=dtype, memory_bytes=budget, limit=MAX_COMPILES,
-                                        attention=attention)  # fmt: skip
+                                        attention=attention, compiler=chosen)  # fmt: skip
+    notes = [chosen.note, *notes] if chosen.note else notes
     elapsed = time.perf_counter() - start
     if optimizer != "adamw":
         notes.append(f"compiled steps use AdamW (compare's path), not {optimizer}")

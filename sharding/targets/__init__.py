@@ -4,7 +4,9 @@
 profile into a `Target`; `PROFILES` are the shipped `DeviceSpec`s (H100, H200, B200, A100, TPU
 v5e, v5p, v6e, each citing its datasheet, and the 500 W H100 96GB of torchtitan's runs, its
 peaks from `capped_h100_peaks`); `load_profile` reads a user's (its docstring lists the keys and
-units). `Target.topology(mesh)` lays a mesh on the nodes, tensor innermost, and
+units). `compiler_for` resolves which compiler a target's programs come from (`Compiler`): the
+target's own (XLA:GPU from `CHIPS`' descriptions, libtpu) on compile-only devices where
+installed, else XLA:CPU on simulated devices, saying so. `Target.topology(mesh)` lays a mesh on the nodes, tensor innermost, and
 says which collective groups cross nodes and at which link they are priced. Every error is a
 `TargetError`.
 
@@ -14,6 +16,8 @@ Example:
     'InfiniBand'
 """
 
+from sharding.targets._chips import CHIPS, GpuChip, TpuChip, gpu_target_config
+from sharding.targets._compilers import CHOICES, Compiler, CompilerError, compiler_for
 from sharding.targets._devices import (
     PLATFORMS,
     DeviceSpec,
@@ -37,10 +41,15 @@ from sharding.targets._target import (
 
 __all__ = [
     "ALIASES",
+    "CHIPS",
+    "CHOICES",
     "FORMS",
     "PLATFORMS",
     "PROFILES",
+    "Compiler",
+    "CompilerError",
     "DeviceSpec",
+    "GpuChip",
     "Group",
     "Link",
     "MalformedTargetError",
@@ -50,8 +59,11 @@ __all__ = [
     "TargetSizeError",
     "Topology",
     "TopologyError",
+    "TpuChip",
     "UnknownTargetError",
     "capped_h100_peaks",
+    "compiler_for",
+    "gpu_target_config",
     "load_profile",
     "target",
 ]

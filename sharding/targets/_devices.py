@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from sharding._errors import SpmdkitError
+from sharding.targets._chips import CHIPS
 
 # Defaults of the achievable fractions, each printed with the step times it produces beside its
 # grounds (`DEFAULT_SOURCES`). Matmuls: clocks drop under power limits, and smaller per-device
@@ -102,6 +103,7 @@ class DeviceSpec:
     source: str = ""
     op_latency: float = 0.0  # seconds every collective op costs before its first hop
     platform: str = "gpu"  # whose XLA compiles for it: "gpu" or "tpu" (see `PLATFORMS`)
+    chip: str | None = None  # the die its compiler targets: a key of `sharding.targets.CHIPS`
 
     def __post_init__(self) -> None:
         _check_values(self.name, {f.name: getattr(self, f.name) for f in fields(self)})
@@ -145,6 +147,8 @@ class DeviceSpec:
         values = {key: getter(self) for key, (_, getter) in _TOML.items()}
         lines = []
         for key, value in values.items():
+            if value is None:  # an unset optional key (chip)
+                continue
             if isinstance(value, float):
                 value = round(value, 9)  # 10.000000000000002 us reads back as 1e-05 s anyway
             text = json.dumps(value) if isinstance(value, str) else repr(value)
@@ -163,6 +167,10 @@ def _check_values(name: str, values: dict[str, Any]) -> None:
         if key == "platform":
             if not isinstance(value, str) or value not in PLATFORMS:
                 bad.append(f"{key}={value!r} (one of {', '.join(map(repr, PLATFORMS))})")
+            continue
+        if key == "chip":
+            if value is not None and value not in CHIPS:
+                bad.append(f"{key}={value!r} (one of {', '.join(map(repr, CHIPS))})")
             continue
         if key in ("name", "source") or key.endswith("link"):
             if not isinstance(value, str):
@@ -215,6 +223,7 @@ _TOML: dict[str, tuple[Any, Any]] = {
     "hbm_fraction": (lambda v: ("hbm_fraction", v), lambda s: s.hbm_fraction),
     "link_fraction": (lambda v: ("link_fraction", v), lambda s: s.link_fraction),
     "platform": (lambda v: ("platform", v), lambda s: s.platform),
+    "chip": (lambda v: ("chip", v), lambda s: s.chip),
 }  # fmt: skip
 _REQUIRED = ("peak_tflops_bf16", "peak_tflops_f32", "hbm_gib", "hbm_gb_per_s",
              "devices_per_node", "intra_node_gb_per_s", "intra_node_latency_us",
@@ -256,6 +265,8 @@ def load_profile(path: str | pathlib.Path) -> DeviceSpec:
         hbm_fraction = 0.8            # achievable fraction of the HBM bandwidth; default 0.8
         link_fraction = 0.8           # achievable fraction of a link's bandwidth; default 0.8
         platform = "gpu"              # whose XLA compiles for it: "gpu" or "tpu"; default "gpu"
+        chip = "h100"                 # the die its compiler targets (sharding.targets.CHIPS);
+                                      # default none: its programs come from XLA:CPU
 
     Raises:
         TargetProfileError: the file is missing or not TOML, a required key is missing, a key

@@ -15,6 +15,7 @@ def _nvidia(name: str, kind: str, peaks: dict[str, float] | None = None,
     given."""
     figures["source"] += "; latencies: NCCL's tuning model (src/graph/tuning.cc)"
     peaks = peaks or {dtype: device_peak(kind, dtype) for dtype in ("bfloat16", "float32")}
+    figures.setdefault("chip", name)
     return DeviceSpec(
         name=name,
         peak_bf16=peaks["bfloat16"],
@@ -60,6 +61,7 @@ def _tpu(name: str, kind: str, **figures: Any) -> DeviceSpec:
         intra_link="ICI",
         inter_link="DCN",
         platform="tpu",
+        chip=name,
         op_latency=2e-6,  # an XLA collective on ICI: a few microseconds to start (order of)
         intra_latency=1e-6,  # a neighbour hop on the torus: order of a microsecond
         inter_latency=10e-6,  # host NICs and the data-centre fabric: tens of microseconds
@@ -92,7 +94,7 @@ PROFILES: dict[str, DeviceSpec] = {
     # Gb/s RDMA NIC per GPU; its peaks `capped_h100_peaks(500)`.
     "h100-96gb-500w": _nvidia("h100-96gb-500w", "H100", peaks=capped_h100_peaks(500),
                               hbm_bytes=96 * GIB, hbm_bw=2.4e12, intra_bw=450e9, inter_bw=50e9,
-                              inter_link="RDMA network",
+                              inter_link="RDMA network", chip="h100",
                               source="torchtitan docs/performance.md (Grand Teton H100 96GB "
                                      "HBM2e, 500 W); peaks interpolated in power between the "
                                      "H100 NVL (400 W) and SXM5 (700 W) datasheets"),
