@@ -170,7 +170,9 @@ def choose(kind: str, q, k) -> str:
     except where both sequences fit one block (`BLOCK`): there the blockwise kernel would hold
     the same one block of scores, and the reference computes it in one product, without a scan.
     Inside a partially manual ``shard_map`` (a pipeline's stages) not cuDNN: jax's partitioning
-    rule for it fails there (jax 0.10.2: an assertion in ``custom_partitioning``).
+    rule for it fails there (jax 0.10.2: an assertion in ``custom_partitioning``). Splash only
+    on TPUs this process runs: traced for compile-only TPUs on another host, its Pallas kernel
+    fails to lower (jax 0.10.2, libtpu 0.0.42: a KeyError in its ``closed_call``).
     """
     check_kind(kind)
     if kind != "auto":
@@ -178,7 +180,7 @@ def choose(kind: str, q, k) -> str:
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
     if _platform() == "gpu" and not manual and cudnn_problem(q, k) is None:
         return "cudnn"
-    if _platform() == "tpu" and q.shape[1] == k.shape[1] and q.shape[1] % 128 == 0 \
+    if jax.default_backend() == "tpu" and q.shape[1] == k.shape[1] and q.shape[1] % 128 == 0 \
             and q.shape[-1] % 128 == 0:  # fmt: skip
         return "splash"
     return "blockwise" if max(q.shape[1], k.shape[1]) > BLOCK else "xla"

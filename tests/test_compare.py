@@ -114,6 +114,8 @@ def test_llama_tiny_on_one_h100_node_is_data_parallel_and_says_why():
     assert "all-reduce" in moved and "over data (8 devices, NVLink, inside a node)" in moved
     assert any(x.startswith("Scaling, by the same model: on 16 devices (h100:2x8") for x in lines)
     assert [(s.label, s.mesh) for s in result.skipped] == [("tp", "tensor=8")]  # kv_heads=4
+    # every candidate from the default target's own compiler where the gpu extra is installed
+    assert {c.compiler for c in ranked} == {result.compiler.name}
     # the error to expect: the published data-parallel runs' (sharding.costmodel.accuracy.json)
     assert lines[1] == expected_error({"data": 8}).sentence()
     assert lines[1].startswith("Expected error: on ") and "data-parallel runs" in lines[1]

@@ -21,7 +21,7 @@ def test_the_readme_has_python_blocks_and_a_two_command_quickstart():
     quickstart = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"^```\n(.*?)\n```", quickstart, flags=re.S | re.M)
     assert commands == ["pip install -e '.[gpu]' && spmdkit compare",
-                        "pip install -e '.[test,gpu]' && python -m pytest -n auto --dist loadfile -q "
+                        "pip install -e '.[test,gpu,tpu]' && python -m pytest -n auto --dist loadfile -q "
                         "--durations=10"]  # fmt: skip
 
 

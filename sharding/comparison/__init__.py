@@ -19,6 +19,7 @@ from sharding.comparison._compare import (
 from sharding.comparison._errors import (
     CompareArgumentError,
     CompareError,
+    CompilerRefusedError,
     NoStrategyFitsError,
     NothingMeasuredError,
     OutputExistsError,
@@ -46,6 +47,7 @@ __all__ = [
     "CompareArgumentError",
     "CompareError",
     "Comparison",
+    "CompilerRefusedError",
     "NoStrategyFitsError",
     "NothingMeasuredError",
     "OutputExistsError",

@@ -34,6 +34,7 @@ from sharding.comparison._arguments import (
 from sharding.comparison._errors import (
     CompareArgumentError,
     CompareError,
+    CompilerRefusedError,
 )
 from sharding.comparison._evaluate import (
     Candidate,
@@ -251,17 +252,25 @@ def _variants(layout: Layout, work: Workload, settings: Settings, tgt: Target, d
             f"over this mesh's batch shards{' and micro-batches' if layout.schedule else ''}"
         )
     if remats is not None:
-        return [evaluate(layout, work, settings, tgt, dtype=dtype, remat=r, accum=pinned or 1,
-                         useful_flops=useful) for r in remats]  # fmt: skip
-    if pinned is not None:
+        plan = [(r, pinned or 1) for r in remats]
+    elif pinned is not None:
         plan = [(r, pinned) for r in ("none", "dots", "full")]
     else:
         plan = [("none", 1), ("dots", 1), ("full", 1)]
         plan += [("full", k) for k in (2, 4, 8) if k <= MAX_ACCUM and _splits(layout, settings, k)]
-    first = None
+    first, out, refused = None, [], []
     for remat, accum in plan:
-        got = evaluate(layout, work, settings, tgt, dtype=dtype, remat=remat, accum=accum,
-                       useful_flops=useful)  # fmt: skip
+        try:
+            got = evaluate(layout, work, settings, tgt, dtype=dtype, remat=remat, accum=accum,
+                           useful_flops=useful)  # fmt: skip
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            refused.append(f"remat={remat}, accum={accum}: {str(e).strip().splitlines()[0]}")
+            continue
+        if remats is not None:
+            out.append(got)
+            continue
         cand = got[0]
         first = first or cand
         if cand.memory_bytes <= budget:
@@ -270,9 +279,15 @@ def _variants(layout: Layout, work: Workload, settings: Settings, tgt: Target, d
                              f"{fmt_bytes(first.memory_bytes)} per device as a plain step: "
                              f"compared with remat={remat}, accum={accum}")  # fmt: skip
             return [got]
+        out = [got]
         if cand.state_bytes > budget:  # the train state alone: remat cannot help
             break
-    return [got]
+    if not out:
+        raise CompilerRefusedError(
+            f"{settings.compiler.name if settings.compiler else 'the compiler'} refused it at "
+            f"every remat and accumulation tried ({'; '.join(refused)})"
+        )
+    return out
 
 
 def _accum_for(layout: Layout, batch: int, micro_batch: int) -> int:

@@ -23,3 +23,9 @@ class NothingMeasuredError(CompareError):
 
 class NoStrategyFitsError(CompareError):
     """Layouts ran, but none fits the memory budget."""
+
+
+class CompilerRefusedError(CompareError, ValueError):
+    """The target's compiler refused a layout at every remat policy and accumulation tried:
+    libtpu refuses a program whose buffers exceed the chip's HBM (RESOURCE_EXHAUSTED). Compare
+    lists the layout as skipped, with the compiler's own words."""
