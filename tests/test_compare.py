@@ -225,7 +225,7 @@ def test_compare_api_refuses_before_anything_compiles(tmp_path, unchanged):
 def test_compare_finds_the_cnn_hybrid_beside_pure_dp():
     """The guides' hybrid: convolutions data-parallel, the wide classifier split over tensor
     (dp_tp on the CNN), compiled beside pure dp: less traffic and less train state per device."""
-    result = compare(cnn, strategies="dp,dp_tp", dtype="float32", batch=16)
+    result = compare(cnn, strategies="dp,dp_tp", dtype="float32", batch=16, compiler="cpu")
     rows = {c.layout.strategy: c for c in result.candidates}
     hybrid, dp = rows["dp_tp"], rows["dp"]
     assert hybrid.mesh_sizes["tensor"] == 2 and hybrid.unit == "samples"
@@ -258,7 +258,9 @@ def test_profile_traces_each_measured_candidates_timed_steps(tmp_path):
     """--profile DIR: every measured candidate's timed steps in a jax.profiler trace of its own;
     asking for a trace with measuring off is refused before anything compiles or is written."""
     traces = tmp_path / "traces"
-    result = compare(llama, strategies="dp", dtype="float32", profile=traces, timed_steps=2)
+    result = compare(
+        llama, strategies="dp", dtype="float32", profile=traces, timed_steps=2, compiler="cpu"
+    )
     labels = [c.label for c in result.candidates]
     found = sorted(p.relative_to(traces).parts[0] for p in traces.rglob("*.xplane.pb"))
     assert len(found) == len(labels) == 1 and found[0].startswith("dp")
@@ -301,7 +303,8 @@ def test_a_pinned_micro_batch_sets_each_candidates_accumulation():
     accumulation following from its batch shards (dp over 8: 2 micro-steps of 16 rows;
     pp_fsdp on stage=2,fsdp=4 with 4 micro-batches of 2 rows per shard: 1 micro-step)."""
     result = compare(llama, size="tiny", strategies="dp,pp_fsdp", batch=32, seq=32,
-                     dtype="float32", remat="none", micro_batch=2, measure=False)  # fmt: skip
+                     dtype="float32", remat="none", micro_batch=2, measure=False,
+                     compiler="cpu")  # fmt: skip
     assert {c.micro_batch for c in result.candidates} == {2}
     accum = {c.layout.strategy: (c.accum, c.layout.mesh) for c in result.candidates}
     assert accum == {"dp": (2, "data=8"), "pp_fsdp": (1, "stage=2,fsdp=4")}

@@ -71,7 +71,7 @@ def test_few_layouts_keeps_the_least_and_most_split_mesh_per_strategy():
 
 
 def test_the_cnn_is_planned_from_compiled_programs():
-    result = planning.plan(models.cnn, strategies="dp,tp")
+    result = planning.plan(models.cnn, strategies="dp,tp", compiler="cpu")
     assert result.source == "compiled program" and result.seq is None
     by_mesh = {c.mesh_text: c for c in result.ranked}
     assert set(by_mesh) == {"data=8", "data=4,tensor=2", "tensor=8"}
