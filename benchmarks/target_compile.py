@@ -39,8 +39,6 @@ def _closed(pred: Any) -> dict[str, list[int]]:
 
 
 def run(args: Any) -> list[dict]:
-    import optax  # noqa: F401  (AdamW, through build)
-
     from models import llama
     from sharding import Workload
     from sharding.comparison import Settings, build
@@ -68,12 +66,24 @@ def run(args: Any) -> list[dict]:
             except Exception as e:  # a layout one compiler refuses: say which and why
                 row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
                 continue
-            row[name] = {"memory": report.memory.needed, "collectives": _kinds(report.summary()),
-                         "compile_s": round(time.perf_counter() - start, 1)}  # fmt: skip
+            row[name] = {
+                "memory": report.memory.needed,
+                "collectives": _kinds(report.summary()),
+                "compile_s": round(time.perf_counter() - start, 1),
+            }
         try:
-            pred = predict(llama, cfg, layout.strategy, layout.sizes, args.batch, args.seq,
-                           pipeline=layout.pipeline(), dtype=args.dtype, remat=args.remat,
-                           attention=kernel or "auto")  # fmt: skip
+            pred = predict(
+                llama,
+                cfg,
+                layout.strategy,
+                layout.sizes,
+                args.batch,
+                args.seq,
+                pipeline=layout.pipeline(),
+                dtype=args.dtype,
+                remat=args.remat,
+                attention=kernel or "auto",
+            )
             row["closed"] = {"memory": pred.memory_bytes, "collectives": _closed(pred)}
         except CostModelError as e:
             row["closed"] = {"error": str(e).splitlines()[0]}
@@ -87,8 +97,17 @@ def table(rows: list[dict]) -> Any:
     from sharding import fmt_bytes
 
     t = Table(title="one step per device: the target's compiler, XLA:CPU and the closed form")
-    for col in ("strategy", "mesh", "GPU GiB", "CPU GiB", "closed GiB", "closed / GPU",
-                "GPU collectives (count)", "CPU collectives (count)", "compile GPU / CPU s"):  # fmt: skip
+    for col in (
+        "strategy",
+        "mesh",
+        "GPU GiB",
+        "CPU GiB",
+        "closed GiB",
+        "closed / GPU",
+        "GPU collectives (count)",
+        "CPU collectives (count)",
+        "compile GPU / CPU s",
+    ):
         t.add_column(col)
 
     def mem(r: dict) -> str:
@@ -101,11 +120,13 @@ def table(rows: list[dict]) -> Any:
 
     for row in rows:
         g, c, f = row["gpu"], row["cpu"], row["closed"]
-        ratio = (f"{f['memory'] / g['memory']:.2f}x" if "error" not in f and "error" not in g
-                 else "-")  # fmt: skip
+        ratio = (
+            f"{f['memory'] / g['memory']:.2f}x" if "error" not in f and "error" not in g else "-"
+        )
         times = "/".join(str(r.get("compile_s", "-")) for r in (g, c))
-        t.add_row(row["strategy"], row["mesh"], mem(g), mem(c), mem(f), ratio, colls(g),
-                  colls(c), times)  # fmt: skip
+        t.add_row(
+            row["strategy"], row["mesh"], mem(g), mem(c), mem(f), ratio, colls(g), colls(c), times
+        )
     return t
 
 
@@ -130,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     console.print(f"{2 * len(rows)} programs compiled in {elapsed:.0f} s")
     out = out_dir(args.out)
-    record = {"benchmark": "target_compile", "elapsed_s": elapsed, "rows": rows,
-              "args": {k: v for k, v in vars(args).items() if k != "out"}}  # fmt: skip
+    record = {
+        "benchmark": "target_compile",
+        "elapsed_s": elapsed,
+        "rows": rows,
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+    }
     console.print(f"wrote {write_json(out / 'target_compile.json', record)}")
     return 0
 

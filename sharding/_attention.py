@@ -68,9 +68,13 @@ def live_fraction(s: int, block: int = BLOCK) -> float:
 
 
 def attention_kernels(
-    work: Any, kind: str | None, seq: int | None, context: int, seam: dict[str, Any],
+    work: Any,
+    kind: str | None,
+    seq: int | None,
+    context: int,
+    seam: dict[str, Any],
     platform: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """``{"attention": kernel}`` substituting the model's attention with the ``kind`` asked for
     (``{}`` for None or "auto": the model's own default).
 

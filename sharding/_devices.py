@@ -37,8 +37,10 @@ def cpu_only() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(p) and any(glob.glob(d) for d in nodes)
-                   for p, nodes in _ACCELERATOR_PLUGINS.items())  # fmt: skip
+    return not any(
+        importlib.util.find_spec(p) and any(glob.glob(d) for d in nodes)
+        for p, nodes in _ACCELERATOR_PLUGINS.items()
+    )
 
 
 def setup_devices(mesh: MeshSpec | str | None, devices: int | None = None) -> MeshSpec:

@@ -74,9 +74,10 @@ class TrainProgram:
             # The module as partitioned is kept for the collectives' true dtypes (XLA:CPU
             # widens bfloat16 ones to float32 after partitioning; `compile_partitioned`).
             self._compiled, self._partitioned = compile_partitioned(
-                self.lowered(), self.mesh.devices.flat[0].platform,
+                self.lowered(),
+                self.mesh.devices.flat[0].platform,
                 unroll_loops=self.schedule is None,
-            )  # fmt: skip
+            )
             self.compile_time_s = time.perf_counter() - start
         return self._compiled
 

@@ -279,9 +279,19 @@ def test_profile_traces_each_measured_candidates_timed_steps(tmp_path):
 def test_a_pinned_accumulation_gathers_fsdp_weights_once_per_micro_step():
     """compare --accum 4: the fsdp candidate carries its 4 micro-steps, its compiled step
     gathers the layers' weights once per micro-step, and the closed form says the same bytes."""
-    result = compare(llama, size="tiny", strategies="fsdp", mesh="fsdp=8", batch=32, seq=32,
-                     dtype="float32", remat="none", accum=4, measure=False,
-                     compiler="cpu")  # fmt: skip
+    result = compare(
+        llama,
+        size="tiny",
+        strategies="fsdp",
+        mesh="fsdp=8",
+        batch=32,
+        seq=32,
+        dtype="float32",
+        remat="none",
+        accum=4,
+        measure=False,
+        compiler="cpu",
+    )
     [cand] = result.candidates
     assert cand.accum == 4 and "accum=4" in cand.label and cand.micro_batch == 1
     record = cand.to_dict()
@@ -302,9 +312,18 @@ def test_a_pinned_micro_batch_sets_each_candidates_accumulation():
     """compare --micro-batch 2: every candidate runs 2 rows per device per forward pass, its
     accumulation following from its batch shards (dp over 8: 2 micro-steps of 16 rows;
     pp_fsdp on stage=2,fsdp=4 with 4 micro-batches of 2 rows per shard: 1 micro-step)."""
-    result = compare(llama, size="tiny", strategies="dp,pp_fsdp", batch=32, seq=32,
-                     dtype="float32", remat="none", micro_batch=2, measure=False,
-                     compiler="cpu")  # fmt: skip
+    result = compare(
+        llama,
+        size="tiny",
+        strategies="dp,pp_fsdp",
+        batch=32,
+        seq=32,
+        dtype="float32",
+        remat="none",
+        micro_batch=2,
+        measure=False,
+        compiler="cpu",
+    )
     assert {c.micro_batch for c in result.candidates} == {2}
     accum = {c.layout.strategy: (c.accum, c.layout.mesh) for c in result.candidates}
     assert accum == {"dp": (2, "data=8"), "pp_fsdp": (1, "stage=2,fsdp=4")}

@@ -82,8 +82,26 @@ def test_compare_explain_and_train_take_a_config_json(tmp_path, capsys):
     assert main(["train", "--model", model, "--strategy", "fsdp", "--mesh", "fsdp=8", "--steps",
                  "1", "--batch", "8", "--seq", "32"]) == 0  # fmt: skip
     capsys.readouterr()
-    assert main(["compare", "--model", model, "--strategies", "dp,fsdp", "--batch", "8", "--seq",
-                 "32", "--out", str(tmp_path / "out"), "--compiler", "cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "compare",
+                "--model",
+                model,
+                "--strategies",
+                "dp,fsdp",
+                "--batch",
+                "8",
+                "--seq",
+                "32",
+                "--out",
+                str(tmp_path / "out"),
+                "--compiler",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "Recommendation" in out and "data=8" in out and "fsdp=8" in out
 

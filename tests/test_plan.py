@@ -110,8 +110,23 @@ def _cli(argv: list[str]) -> int:
 
 
 def test_cli_json_shows_the_compiled_program_beside_the_formula(capsys):
-    rc = _cli(["--model", "gpt2", "--size", "tiny", "--seq", "64", "--strategies", "dp,fsdp,tp",
-               "--aot", "1", "--json", "--compiler", "cpu"])  # fmt: skip
+    rc = _cli(
+        [
+            "--model",
+            "gpt2",
+            "--size",
+            "tiny",
+            "--seq",
+            "64",
+            "--strategies",
+            "dp,fsdp,tp",
+            "--aot",
+            "1",
+            "--json",
+            "--compiler",
+            "cpu",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["target"]["name"] == "h100:1x8" and out["devices"] == 8 and out["batch"] == 8

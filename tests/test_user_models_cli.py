@@ -75,9 +75,26 @@ def test_compare_puts_the_user_cnn_hybrid_beside_pure_dp(model_file, tmp_path):
     """The guides' hybrid on a CNN written by the user: convolutions data-parallel, the wide
     classifier split over tensor (dp_tp), compiled beside pure dp for one H100 node."""
     out = tmp_path / "cmp"
-    assert main(["compare", "--model", f"{model_file}:cnn", "--strategies", "dp,dp_tp",
-                 "--dtype", "float32", "--batch", "16", "--out", str(out),
-                 "--compiler", "cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "compare",
+                "--model",
+                f"{model_file}:cnn",
+                "--strategies",
+                "dp,dp_tp",
+                "--dtype",
+                "float32",
+                "--batch",
+                "16",
+                "--out",
+                str(out),
+                "--compiler",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     record = json.loads((out / "compare.json").read_text())
     rows = {c["layout"]["strategy"]: c for c in record["candidates"]}
     hybrid, dp = rows["dp_tp"], rows["dp"]

@@ -24,6 +24,7 @@ from sharding.cli.model_args import (  # noqa: F401  (re-exported for the comman
 )
 from sharding.context import METHODS as CONTEXT_METHODS
 from sharding.pipeline import SCHEDULES
+from sharding.targets import CHOICES as COMPILERS
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,11 +80,15 @@ def add_attention_arg(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_compiler_arg(p: argparse.ArgumentParser) -> None:
     """--compiler: one meaning in compare and plan (`sharding.targets.compiler_for`)."""
-    p.add_argument("--compiler", choices=("auto", "target", "cpu"), default="auto",
-                   help="whose programs the figures come from: auto = the target's own compiler "
-                   "(XLA:GPU with spmdkit[gpu], libtpu with spmdkit[tpu]) on compile-only "
-                   "devices where installed, else XLA:CPU on simulated devices, saying so; "
-                   "target = the target's or an error; cpu = XLA:CPU (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--compiler",
+        choices=COMPILERS,
+        default="auto",
+        help="whose programs the figures come from: auto = the target's own compiler "
+        "(XLA:GPU with spmdkit[gpu], libtpu with spmdkit[tpu]) on compile-only "
+        "devices where installed, else XLA:CPU on simulated devices, saying so; "
+        "target = the target's or an error; cpu = XLA:CPU (default: %(default)s)",
+    )
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:

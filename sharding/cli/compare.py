@@ -1,10 +1,9 @@
 """`spmdkit compare`: which strategy for your model on your cluster.
 
-Every strategy and pipeline schedule is compiled ahead of time by the target's own compiler
-where installed (XLA:GPU for compile-only H100s on a CPU-only host, with spmdkit[gpu]; else
-XLA:CPU on simulated devices, saying so), and its step priced on the target from the program:
-compute, exposed communication, bubble, memory per device. With no arguments: llama tiny on one
-node of 8 H100s, both dtypes; prints one ranked table and a recommendation, JSON and a PNG.
+Every strategy and schedule is compiled ahead of time by the target's own compiler where
+installed (XLA:GPU for compile-only H100s on a CPU host, spmdkit[gpu]; else XLA:CPU, saying so)
+and its step priced on the target: compute, exposed communication, bubble, memory per device.
+No arguments: llama tiny on one node of 8 H100s, both dtypes; a ranked table, JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -38,10 +37,11 @@ class _Renamed(argparse.Action):
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "compare", help="which strategy for your model on your cluster (the main job)",
-                    doc=__doc__, examples=["", "--target h100:4x8 --model llama --size 8b --batch "
-                        "32 --seq 8192 --dtype bfloat16", "--strategies dp,fsdp --target a100:2x8",
-                        "--model cnn --strategies dp,dp_tp --out cnn-compare", "--model "
-                        "my_models.py:workload --target my_cluster.toml:2x8"])  # fmt: skip
+                    doc=__doc__, examples=[
+                        "", "--target h100:4x8 --model llama --size 8b --batch 32 --seq 8192 "
+                        "--dtype bfloat16", "--strategies dp,fsdp --target a100:2x8",
+                        "--model cnn --strategies dp,dp_tp --out cnn-compare",
+                        "--model my_models.py:workload --target my_cluster.toml:2x8"])  # fmt: skip
     add_model_args(p)
     p.add_argument("--target", default="h100:1x8",
                    help="the cluster to answer for: DEVICE[:NODESxPER_NODE] (h100, h200, b200, "

@@ -63,8 +63,11 @@ def check_counts(work: Workload, batch, seq, timed_steps, warmup_steps) -> int |
             f"{', '.join(work.batch_shapes(1, None))}); drop --seq"
         )
     seq = (DEFAULT_SEQ if seq is None else seq) if sequences else None
-    counts = (("--batch", batch, 1), ("--timed-steps", timed_steps, 1),
-              ("--warmup-steps", warmup_steps, 0)) + ((("--seq", seq, 1),) if sequences else ())  # fmt: skip
+    counts = (
+        ("--batch", batch, 1),
+        ("--timed-steps", timed_steps, 1),
+        ("--warmup-steps", warmup_steps, 0),
+    ) + ((("--seq", seq, 1),) if sequences else ())
     for flag, value, low in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise CompareArgumentError(f"{flag} {value!r}: give a whole number >= {low}")

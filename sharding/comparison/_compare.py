@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from sharding._attention import check_runs_here
 from sharding._devices import cpu_only
 from sharding._mesh import BATCH_AXES, MeshSpec, simulate_cpu_devices
@@ -46,7 +48,7 @@ from sharding.comparison._evaluate import (
 from sharding.comparison._result import Comparison, Skipped, check_output
 from sharding.comparison._verdict import recommend
 from sharding.costmodel import MEMORY_FRACTION, Layout, called_for, layouts, strategy_names
-from sharding.targets import CHOICES, CompilerError, Target, compiler_for
+from sharding.targets import CompilerError, Target, check_choice, compiler_for
 from sharding.targets import target as parse_target
 
 DTYPES = ("float32", "bfloat16")
@@ -158,10 +160,15 @@ def compare(
                                    f"not with --accum {accum} (each fixes the other)")  # fmt: skip
     tgt = target if isinstance(target, Target) else parse_target(target)
     dtypes, remats = choices("--dtype", dtype, DTYPES), choices("--remat", remat, REMATS)
-    budget = (int(MEMORY_FRACTION * tgt.device.hbm_bytes) if memory_budget is None
-              else budget_bytes(memory_budget))  # fmt: skip
-    if compiler not in CHOICES:
-        raise CompareArgumentError(f"--compiler {compiler!r}: choose from {', '.join(CHOICES)}")
+    budget = (
+        int(MEMORY_FRACTION * tgt.device.hbm_bytes)
+        if memory_budget is None
+        else budget_bytes(memory_budget)
+    )
+    try:
+        check_choice(compiler)
+    except CompilerError as e:
+        raise CompareArgumentError(str(e)) from None
     devices = _devices(tgt)
     try:
         chosen = compiler_for(tgt, compiler)
@@ -261,9 +268,17 @@ def _variants(layout: Layout, work: Workload, settings: Settings, tgt: Target, d
     first, out, refused = None, [], []
     for remat, accum in plan:
         try:
-            got = evaluate(layout, work, settings, tgt, dtype=dtype, remat=remat, accum=accum,
-                           useful_flops=useful)  # fmt: skip
-        except Exception as e:
+            got = evaluate(
+                layout,
+                work,
+                settings,
+                tgt,
+                dtype=dtype,
+                remat=remat,
+                accum=accum,
+                useful_flops=useful,
+            )
+        except jax.errors.JaxRuntimeError as e:  # libtpu: a program larger than HBM
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             refused.append(f"remat={remat}, accum={accum}: {str(e).strip().splitlines()[0]}")
@@ -335,8 +350,6 @@ def _without_layout(strategies, todo, devices, depth, mesh, work, extra=()) -> l
 
 def _devices(tgt: Target) -> list:
     """This process's devices, simulated to the target's count on a CPU-only host."""
-    import jax
-
     if cpu_only():
         with contextlib.suppress(RuntimeError):  # JAX already started: checked below
             simulate_cpu_devices(tgt.devices)

@@ -39,7 +39,7 @@ from sharding.costmodel import (
     step_time,
     work_from_report,
 )
-from sharding.targets import Compiler, Target
+from sharding.targets import Compiler, Target, compiler_name
 from sharding.training import profile_steps
 
 __all__ = ["Candidate", "Settings", "closed_form", "evaluate", "measure_here", "reference_flops"]
@@ -210,7 +210,7 @@ def evaluate(
         compile_time_s=program.compile_time_s or 0.0,
         bubble=report.extra.get("bubble_fraction"), predicted=step_time(sw, target),
         predicted_work=sw, batch=settings.batch, tokens_per_step=tokens, unit=work.unit,
-        compiler=f"XLA:{report.platform.upper()}",
+        compiler=compiler_name(report.platform),
     )  # fmt: skip
     return candidate, program
 
@@ -241,8 +241,14 @@ def measure_here(
     ``profile/<candidate label>``. A program compiled for a target's compile-only devices is
     rebuilt on this process's devices to run."""
     if program.mesh.devices.flat[0].platform != jax.default_backend():
-        program = build(candidate.layout, work, replace(settings, compiler=None),
-                        dtype=candidate.dtype, remat=candidate.remat, accum=candidate.accum)  # fmt: skip
+        program = build(
+            candidate.layout,
+            work,
+            replace(settings, compiler=None),
+            dtype=candidate.dtype,
+            remat=candidate.remat,
+            accum=candidate.accum,
+        )
     state = program.init(0)
     batch = program.shard_batch(work.synthetic_batch(settings.batch, settings.seq))
     trace = None

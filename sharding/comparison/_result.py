@@ -72,9 +72,12 @@ class Comparison:
         parts: list[Any] = [
             f"[bold]{self.model} {self.size}[/]: {self.parameters:,} parameters, global batch "
             f"{batch}, {'/'.join(self.dtypes)}; target {self.target.describe()}; compiled by "
-            + (self.compiler.describe() if self.compiler else
-               f"XLA on {dev['count']} {dev['platform']} devices")
-        ]  # fmt: skip
+            + (
+                self.compiler.describe()
+                if self.compiler
+                else f"XLA on {dev['count']} {dev['platform']} devices"
+            )
+        ]
         if self.candidates:
             parts.append(comparison_table(self.candidates, self.unsplit_state, self.memory_budget,
                                           measured=self.measured, target=self.target))  # fmt: skip

@@ -90,18 +90,29 @@ def compiler_sentences(work: Any, platform: str) -> list[str]:
     correct where its own program was read (``work.compiled_by``), else what `step_time`
     applies for it: the accumulation loop's sunk all-reduces and `pass_sentences`."""
     if work.compiled_by == platform:
-        return [f"Collectives as XLA for {platform} compiled them (its own program: its "
-                f"reduce-scatters, combined and reassociated all-reduces, and reductions moved "
-                f"out of loops are in the counts)."]  # fmt: skip
+        return [
+            f"Collectives as XLA for {platform} compiled them (its own program: its "
+            f"reduce-scatters, combined and reassociated all-reduces, and reductions moved "
+            f"out of loops are in the counts)."
+        ]
     out = []
     if work.accum > 1:
         sinks = PLATFORMS[platform]["sinks_accumulated_all_reduces"]
-        out.append(f"{work.accum} micro-steps per step: " + (
-            f"XLA for {platform} moves the gradient all-reduces out of the accumulation loop "
-            f"(WhileLoopAllReduceCodeMotion): they run once per step, after the loop, "
-            + ("behind the last micro-batch (above); " if work.reduction_overlap else "exposed; ")
-            + "fsdp's reduce-scatters stay in it, once per micro-step." if sinks else
-            "the gradient reductions run once per micro-step, as the program shows."))  # fmt: skip
+        out.append(
+            f"{work.accum} micro-steps per step: "
+            + (
+                f"XLA for {platform} moves the gradient all-reduces out of the accumulation loop "
+                f"(WhileLoopAllReduceCodeMotion): they run once per step, after the loop, "
+                + (
+                    "behind the last micro-batch (above); "
+                    if work.reduction_overlap
+                    else "exposed; "
+                )
+                + "fsdp's reduce-scatters stay in it, once per micro-step."
+                if sinks
+                else "the gradient reductions run once per micro-step, as the program shows."
+            )
+        )
     return out + pass_sentences(work.collectives, platform)
 
 

@@ -21,8 +21,14 @@ from sharding.costmodel import (
 from sharding.targets import Compiler, Target, target
 
 
-def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
-                    dtype: str | None = None, compiler: Compiler | None = None) -> Check:  # fmt: skip
+def check_candidate(
+    estimate: Estimate,
+    work: Any,
+    tgt: Target | str,
+    *,
+    dtype: str | None = None,
+    compiler: Compiler | None = None,
+) -> Check:
     """Compile a closed-form estimate's layout for ``tgt`` (compare's path) and keep both
     predictions, at ``dtype`` (default: the estimate's; the formula is re-run at another).
 
@@ -52,8 +58,14 @@ def check_candidate(estimate: Estimate, work: Any, tgt: Target | str, *,
     return estimate.check
 
 
-def check_top(ranked: list[Estimate], work: Any, tgt: Target, n: int, optimizer: str,
-              compiler: Compiler | None = None) -> list[str]:  # fmt: skip
+def check_top(
+    ranked: list[Estimate],
+    work: Any,
+    tgt: Target,
+    n: int,
+    optimizer: str,
+    compiler: Compiler | None = None,
+) -> list[str]:
     """`check_candidate` on the first ``n`` fitting layouts (each at its best remat policy);
     notes on how they were checked.
 

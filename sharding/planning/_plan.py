@@ -32,7 +32,7 @@ from sharding.costmodel import (
 from sharding.planning._check import check_top, devices_here
 from sharding.planning._compiled import compiled_candidates
 from sharding.planning._planview import PlanResult
-from sharding.targets import CHOICES, Compiler, CompilerError, Target, compiler_for
+from sharding.targets import Compiler, CompilerError, Target, check_choice, compiler_for
 from sharding.targets import target as to_target
 
 # Simulating more CPU devices than this makes an AOT compile too slow to be worth waiting for.
@@ -123,8 +123,10 @@ def plan(
         raise PlanError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
     if optimizer not in OPTIMIZER_MOMENTS:
         raise PlanError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_MOMENTS)}")
-    if compiler not in CHOICES:
-        raise PlanError(f"--compiler {compiler!r}: choose one of {', '.join(CHOICES)}")
+    try:
+        check_choice(compiler)
+    except CompilerError as e:
+        raise PlanError(str(e)) from None
     work = _workload(model, size, cfg, layers)
     kind = check_kind(attention or "auto")
     # Checked now; None stays None so that the layouts add what the model calls for (`called_for`).
@@ -133,16 +135,30 @@ def plan(
     batch = batch or tgt.devices
     name = getattr(work.family, "NAME", None)
     if name in LM_FAMILIES:
-        return _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
-                            kind, (accum, micro_batch), compiler)  # fmt: skip
+        return _closed_form(
+            work,
+            tgt,
+            budget,
+            batch,
+            seq,
+            strategies,
+            dtype,
+            optimizer,
+            top,
+            aot,
+            kind,
+            (accum, micro_batch),
+            compiler,
+        )
     if accum is not None or micro_batch is not None:
         raise PlanError(
             f"--accum / --micro-batch: {work.name} is priced from compiled programs, which "
             f"plan runs at accumulation 1; use spmdkit compare (which adds accumulation where "
             f"memory needs it) or leave them out"
         )
-    return _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot,
-                     attention, compiler)  # fmt: skip
+    return _compiled(
+        work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, attention, compiler
+    )
 
 
 ATTENTION_NOTE = {
@@ -152,8 +168,21 @@ ATTENTION_NOTE = {
 }
 
 
-def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, kind,
-                 pins=(None, None), compiler="auto"):  # fmt: skip
+def _closed_form(
+    work,
+    tgt,
+    budget,
+    batch,
+    seq,
+    strategies,
+    dtype,
+    optimizer,
+    top,
+    aot,
+    kind,
+    pins=(None, None),
+    compiler="auto",
+):
     family, cfg = work.family, work.config
     too_long = None if seq is None else work.seq_refusal(seq)
     if too_long:
@@ -178,9 +207,11 @@ def _closed_form(work, tgt, budget, batch, seq, strategies, dtype, optimizer, to
         notes += [chosen.note] if chosen.note else []
         notes += check_top(ranked, work, tgt, aot, optimizer, chosen)
         if not runs_here(kind, chosen.platform):
-            notes.append(f"compiled with attention='blockwise' for {chosen.platform}, which "
-                         f"cannot run {kind!r}; the formula beside it is re-run for "
-                         f"blockwise")  # fmt: skip
+            notes.append(
+                f"compiled with attention='blockwise' for {chosen.platform}, which "
+                f"cannot run {kind!r}; the formula beside it is re-run for "
+                f"blockwise"
+            )
     assumptions = [
         *_top_assumptions(ranked),
         f"Memory: params + gradients + optimizer state + batch + saved activations + one "
@@ -207,8 +238,20 @@ def _compiler(tgt: Target, choice: str) -> Compiler:
         raise PlanError(f"--compiler {choice}: {e}") from None
 
 
-def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, aot, attention,
-              compiler="auto"):  # fmt: skip
+def _compiled(
+    work,
+    tgt,
+    budget,
+    batch,
+    seq,
+    strategies,
+    dtype,
+    optimizer,
+    top,
+    aot,
+    attention,
+    compiler="auto",
+):
     if aot == 0:
         raise PlanError(
             f"--aot 0: {work.name} has no closed-form costs, so plan prices it from compiled "
@@ -234,9 +277,18 @@ def _compiled(work, tgt, budget, batch, seq, strategies, dtype, optimizer, top, 
     chosen = _compiler(tgt, compiler)
     check_runs_here(check_kind(attention or "auto"), chosen.platform)
     start = time.perf_counter()
-    ranked, notes = compiled_candidates(work, tgt, batch, seq, strategies=strategies and tuple(strategies),
-                                        dtype=dtype, memory_bytes=budget, limit=MAX_COMPILES,
-                                        attention=attention, compiler=chosen)  # fmt: skip
+    ranked, notes = compiled_candidates(
+        work,
+        tgt,
+        batch,
+        seq,
+        strategies=strategies and tuple(strategies),
+        dtype=dtype,
+        memory_bytes=budget,
+        limit=MAX_COMPILES,
+        attention=attention,
+        compiler=chosen,
+    )
     notes = [chosen.note, *notes] if chosen.note else notes
     elapsed = time.perf_counter() - start
     if optimizer != "adamw":

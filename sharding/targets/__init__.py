@@ -17,7 +17,14 @@ Example:
 """
 
 from sharding.targets._chips import CHIPS, GpuChip, TpuChip, gpu_target_config
-from sharding.targets._compilers import CHOICES, Compiler, CompilerError, compiler_for
+from sharding.targets._compilers import (
+    CHOICES,
+    Compiler,
+    CompilerError,
+    check_choice,
+    compiler_for,
+    compiler_name,
+)
 from sharding.targets._devices import (
     PLATFORMS,
     DeviceSpec,
@@ -62,7 +69,9 @@ __all__ = [
     "TpuChip",
     "UnknownTargetError",
     "capped_h100_peaks",
+    "check_choice",
     "compiler_for",
+    "compiler_name",
     "gpu_target_config",
     "load_profile",
     "target",

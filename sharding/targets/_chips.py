@@ -49,32 +49,78 @@ class TpuChip:
     source: str
 
 
-_HOPPER = dict(capability=(9, 0), accelerated=True, sms=132, fp32_per_sm=128, clock_ghz=1.98,
-               l2_bytes=50 * 2**20, shared_per_sm=228 * 1024, shared_per_block_optin=227 * 1024,
-               pcie_bytes_per_s=32 * 2**30)  # fmt: skip
+_HOPPER = dict(
+    capability=(9, 0),
+    accelerated=True,
+    sms=132,
+    fp32_per_sm=128,
+    clock_ghz=1.98,
+    l2_bytes=50 * 2**20,
+    shared_per_sm=228 * 1024,
+    shared_per_block_optin=227 * 1024,
+    pcie_bytes_per_s=32 * 2**30,
+)
 
 CHIPS: dict[str, GpuChip | TpuChip] = {
-    "h100": GpuChip("NVIDIA H100 80GB HBM3", cudnn=(9, 10, 0), **_HOPPER,
-                    source="XLA specs/h100_sxm.txtpb; NVIDIA H100 Tensor Core GPU architecture"),
-    "h200": GpuChip("NVIDIA H200 141GB HBM3e", cudnn=(9, 10, 0), **_HOPPER,
-                    source="XLA specs/h200.txtpb (H100's die)"),
-    "b200": GpuChip("NVIDIA B200", capability=(10, 0), accelerated=True, sms=148,
-                    fp32_per_sm=128, clock_ghz=1.965, l2_bytes=132644864,
-                    shared_per_sm=228 * 1024, shared_per_block_optin=227 * 1024,
-                    cudnn=(9, 10, 0), pcie_bytes_per_s=64 * 2**30,
-                    source="XLA specs/b200.txtpb; NVIDIA Blackwell architecture"),
-    "a100": GpuChip("NVIDIA A100-SXM4-80GB", capability=(8, 0), accelerated=False, sms=108,
-                    fp32_per_sm=64, clock_ghz=1.41, l2_bytes=40 * 2**20,
-                    shared_per_sm=164 * 1024, shared_per_block_optin=163 * 1024,
-                    cudnn=(9, 10, 0),
-                    source="XLA specs/a100_sxm_80.txtpb; NVIDIA A100 Tensor Core GPU architecture"),
-    "v5e": TpuChip("TPU v5 lite", "v5e", "default", 2, (2, 2, 1),
-                   source="MaxText train_compile.py's v5e topologies"),
-    "v5p": TpuChip("TPU v5", "v5", "megacore", 3, (2, 2, 1),
-                   source="MaxText train_compile.py's v5p topologies"),
-    "v6e": TpuChip("TPU v6 lite", "v6e", "default", 2, (2, 2, 1),
-                   source="MaxText train_compile.py's v6e topologies"),
-}  # fmt: skip
+    "h100": GpuChip(
+        "NVIDIA H100 80GB HBM3",
+        cudnn=(9, 10, 0),
+        **_HOPPER,
+        source="XLA specs/h100_sxm.txtpb; NVIDIA H100 Tensor Core GPU architecture",
+    ),
+    "h200": GpuChip(
+        "NVIDIA H200 141GB HBM3e",
+        cudnn=(9, 10, 0),
+        **_HOPPER,
+        source="XLA specs/h200.txtpb (H100's die)",
+    ),
+    "b200": GpuChip(
+        "NVIDIA B200",
+        capability=(10, 0),
+        accelerated=True,
+        sms=148,
+        fp32_per_sm=128,
+        clock_ghz=1.965,
+        l2_bytes=132644864,
+        shared_per_sm=228 * 1024,
+        shared_per_block_optin=227 * 1024,
+        cudnn=(9, 10, 0),
+        pcie_bytes_per_s=64 * 2**30,
+        source="XLA specs/b200.txtpb; NVIDIA Blackwell architecture",
+    ),
+    "a100": GpuChip(
+        "NVIDIA A100-SXM4-80GB",
+        capability=(8, 0),
+        accelerated=False,
+        sms=108,
+        fp32_per_sm=64,
+        clock_ghz=1.41,
+        l2_bytes=40 * 2**20,
+        shared_per_sm=164 * 1024,
+        shared_per_block_optin=163 * 1024,
+        cudnn=(9, 10, 0),
+        source="XLA specs/a100_sxm_80.txtpb; NVIDIA A100 Tensor Core GPU architecture",
+    ),
+    "v5e": TpuChip(
+        "TPU v5 lite",
+        "v5e",
+        "default",
+        2,
+        (2, 2, 1),
+        source="MaxText train_compile.py's v5e topologies",
+    ),
+    "v5p": TpuChip(
+        "TPU v5", "v5", "megacore", 3, (2, 2, 1), source="MaxText train_compile.py's v5p topologies"
+    ),
+    "v6e": TpuChip(
+        "TPU v6 lite",
+        "v6e",
+        "default",
+        2,
+        (2, 2, 1),
+        source="MaxText train_compile.py's v6e topologies",
+    ),
+}
 
 
 def gpu_target_config(chip: GpuChip, memory_bytes: int, memory_bw: float) -> str:

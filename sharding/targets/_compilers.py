@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +29,10 @@ from sharding.targets._devices import TargetError
 from sharding.targets._target import Target
 
 CHOICES = ("auto", "target", "cpu")
-# platform -> (compiler name, the module its plugin installs, the extra that installs it)
+# platform -> (the module its plugin installs, the extra that installs it, jax's extra)
 _INSTALLS = {
-    "gpu": ("XLA:GPU", "jax_cuda12_plugin", "spmdkit[gpu]", "jax[cuda12]"),
-    "tpu": ("XLA:TPU", "libtpu", "spmdkit[tpu]", "jax[tpu]"),
+    "gpu": ("jax_cuda12_plugin", "spmdkit[gpu]", "jax[cuda12]"),
+    "tpu": ("libtpu", "spmdkit[tpu]", "jax[tpu]"),
 }
 
 
@@ -60,10 +59,6 @@ class Compiler:
     note: str | None = None
     devices: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
-    @property
-    def compile_only(self) -> bool:
-        return bool(self.devices)
-
     def describe(self) -> str:
         """``XLA:GPU for 8 x NVIDIA H100 80GB HBM3 (compile-only devices on this host)``."""
         return f"{self.name} for {self.count} x {self.device_kind} ({self.where})"
@@ -73,8 +68,29 @@ class Compiler:
         return list(self.devices) if self.devices else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "platform": self.platform, "device_kind": self.device_kind,
-                "devices": self.count, "where": self.where, "note": self.note}  # fmt: skip
+        return {
+            "name": self.name,
+            "platform": self.platform,
+            "device_kind": self.device_kind,
+            "devices": self.count,
+            "where": self.where,
+            "note": self.note,
+        }
+
+
+def check_choice(choice: str) -> str:
+    """``choice`` if it is one of `CHOICES`, else a `CompilerError` saying what each means."""
+    if choice not in CHOICES:
+        raise CompilerError(
+            f"--compiler {choice!r}: choose auto (the target's compiler where installed, else "
+            f"XLA:CPU, saying so), target (the target's compiler or an error) or cpu (XLA:CPU)"
+        )
+    return choice
+
+
+def compiler_name(platform: str) -> str:
+    """How tables name the compiler of a platform: ``"gpu"`` -> ``"XLA:GPU"``."""
+    return f"XLA:{platform.upper()}"
 
 
 def compiler_for(tgt: Target, choice: str = "auto") -> Compiler:
@@ -90,17 +106,17 @@ def compiler_for(tgt: Target, choice: str = "auto") -> Compiler:
     Raises:
         CompilerError: an unknown ``choice``, or ``target`` where its compiler cannot run here.
     """
-    if choice not in CHOICES:
-        raise CompilerError(
-            f"--compiler {choice!r}: choose auto (the target's compiler where installed, else "
-            f"XLA:CPU, saying so), target (the target's compiler or an error) or cpu (XLA:CPU)"
-        )
+    check_choice(choice)
     if not cpu_only():
         import jax
 
-        return Compiler(f"XLA:{jax.default_backend().upper()}", jax.default_backend(),
-                        jax.devices()[0].device_kind, jax.device_count(),
-                        "this host's devices")  # fmt: skip
+        return Compiler(
+            compiler_name(jax.default_backend()),
+            jax.default_backend(),
+            jax.devices()[0].device_kind,
+            jax.device_count(),
+            "this host's devices",
+        )
     if choice == "cpu":
         return _cpu(tgt, None)
     try:
@@ -112,8 +128,14 @@ def compiler_for(tgt: Target, choice: str = "auto") -> Compiler:
 
 
 def _cpu(tgt: Target, note: str | None) -> Compiler:
-    return Compiler("XLA:CPU", "cpu", "simulated CPU device", tgt.devices,
-                    "simulated on this host", note)  # fmt: skip
+    return Compiler(
+        compiler_name("cpu"),
+        "cpu",
+        "simulated CPU device",
+        tgt.devices,
+        "simulated on this host",
+        note,
+    )
 
 
 def _target_compiler(tgt: Target) -> Compiler:
@@ -127,7 +149,8 @@ def _target_compiler(tgt: Target) -> Compiler:
             f"to compile for that chip with the profile's memory"
         )
     platform = "gpu" if isinstance(chip, GpuChip) else "tpu"
-    name, module, extra, jax_extra = _INSTALLS[platform]
+    module, extra, jax_extra = _INSTALLS[platform]
+    name = compiler_name(platform)
     if importlib.util.find_spec(module) is None:
         raise CompilerError(
             f"{name} (the {spec.name}'s compiler) is not installed here, so the programs come "
@@ -138,14 +161,14 @@ def _target_compiler(tgt: Target) -> Compiler:
         text = gpu_target_config(chip, spec.hbm_bytes, spec.hbm_bw)
         key = ("cuda", text, f"1x{tgt.nodes}x{tgt.per_node}")
     else:
-        shape = tpu_shape(chip, tgt.per_node)
-        if math.prod(map(int, shape.split("x"))) != tgt.per_node:
+        if tgt.per_node & (tgt.per_node - 1):  # not a power of two
             raise CompilerError(
                 f"{tgt.name}: libtpu names slices of a power of two chips, not {tgt.per_node}; "
                 f"use a slice of {2 ** (tgt.per_node.bit_length() - 1)} or "
                 f"{2 ** tgt.per_node.bit_length()} chips"
             )
-        key = ("tpu", f"{chip.prefix}:{shape}", chip.chip_config, chip.chips_per_host, tgt.nodes)
+        shape = f"{chip.prefix}:{tpu_shape(chip, tgt.per_node)}"
+        key = ("tpu", shape, chip.chip_config, chip.chips_per_host, tgt.nodes)
     try:
         devices = _topology(key)
     except Exception as err:  # the plugin's own refusal, whatever its type: say it
@@ -154,8 +177,15 @@ def _target_compiler(tgt: Target) -> Compiler:
             f"{name} could not describe {tgt.devices} x {chip.description} here ({first}); "
             f"compiled by XLA:CPU instead"
         ) from None
-    return Compiler(name, platform, devices[0].device_kind, len(devices),
-                    "compile-only devices on this host", None, tuple(devices))  # fmt: skip
+    return Compiler(
+        name,
+        platform,
+        devices[0].device_kind,
+        len(devices),
+        "compile-only devices on this host",
+        None,
+        tuple(devices),
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -169,10 +199,14 @@ def _topology(key: tuple) -> list:
     else:
         _, name, config, per_host, slices = key
         desc = topologies.get_topology_desc(
-            platform="tpu", topology_name=name, chip_config_name=config,
-            chips_per_host_bounds=per_host, num_slices=slices, wrap=(False, False, False),
-        )  # fmt: skip
+            platform="tpu",
+            topology_name=name,
+            chip_config_name=config,
+            chips_per_host_bounds=per_host,
+            num_slices=slices,
+            wrap=(False, False, False),
+        )
     return list(desc.devices)
 
 
-__all__ = ["CHOICES", "Compiler", "CompilerError", "compiler_for"]
+__all__ = ["CHOICES", "Compiler", "CompilerError", "check_choice", "compiler_for", "compiler_name"]
